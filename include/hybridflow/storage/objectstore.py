@@ -1,0 +1,215 @@
+"""One small object-store contract for private folders and S3-compatible endpoints.
+
+Training workers, checkpointing, staging and artefact writers all speak this interface, so the
+same code runs against a local folder (private storage), ``rclone serve s3``, MinIO or AWS.
+A :class:`StoreSpec` is the serialisable description handed to worker processes; credentials
+travel separately through the environment (:meth:`StoreSpec.credential_env`), never in argv,
+files or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+ACCESS_KEY_ENV = "HYBRIDFLOW_STORE_ACCESS_KEY"
+SECRET_KEY_ENV = "HYBRIDFLOW_STORE_SECRET_KEY"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str | None = None
+
+
+class ObjectStore(Protocol):
+    """Keys are '/'-separated relative names; the store adds its own root/prefix."""
+
+    @property
+    def uri(self) -> str: ...
+
+    def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None) -> None: ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist. Returns False (and writes nothing) if it does."""
+        ...
+
+    def put_file(self, key: str, path: Path, *, metadata: dict[str, str] | None = None) -> None: ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def get_file(self, key: str, path: Path) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where a store lives: ``kind`` is ``local`` (``root``) or ``s3`` (``bucket``, ``endpoint_url``)."""
+
+    kind: str
+    root: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    # Credentials are not part of the spec's serialised form.
+    access_key: str | None = field(default=None, repr=False, compare=False)
+    secret_key: str | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {
+            "kind": self.kind,
+            "root": self.root,
+            "bucket": self.bucket,
+            "prefix": self.prefix,
+            "endpoint_url": self.endpoint_url,
+            "region": self.region,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, *, environ: dict[str, str] | None = None) -> StoreSpec:
+        env = os.environ if environ is None else environ
+        return cls(
+            kind=data["kind"],
+            root=data.get("root"),
+            bucket=data.get("bucket"),
+            prefix=data.get("prefix") or "",
+            endpoint_url=data.get("endpoint_url"),
+            region=data.get("region") or "us-east-1",
+            access_key=env.get(ACCESS_KEY_ENV),
+            secret_key=env.get(SECRET_KEY_ENV),
+        )
+
+    def credential_env(self) -> dict[str, str]:
+        """Environment entries a child process needs to open this store."""
+        if self.kind != "s3" or not self.access_key:
+            return {}
+        return {ACCESS_KEY_ENV: self.access_key, SECRET_KEY_ENV: self.secret_key or ""}
+
+    @property
+    def uri(self) -> str:
+        if self.kind == "local":
+            return Path(self.root or ".").resolve().as_uri()
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def child(self, sub_prefix: str) -> StoreSpec:
+        """The same store with ``sub_prefix`` appended to its prefix (or root)."""
+        sub = sub_prefix.strip("/")
+        if self.kind == "local":
+            return StoreSpec(kind="local", root=str(Path(self.root or ".") / sub))
+        prefix = f"{self.prefix.strip('/')}/{sub}".strip("/")
+        return StoreSpec(
+            kind="s3",
+            bucket=self.bucket,
+            prefix=prefix,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+        )
+
+
+def open_store(spec: StoreSpec) -> ObjectStore:
+    if spec.kind == "local":
+        return LocalObjectStore(Path(spec.root or "."))
+    if spec.kind == "s3":
+        from hybridflow.storage.s3 import S3ObjectStore
+
+        return S3ObjectStore.from_spec(spec)
+    raise ValueError(f"store kind {spec.kind!r} is not supported; use 'local' or 's3'")
+
+
+class LocalObjectStore:
+    """A folder used as an object store. Writes land in a temp file and are renamed into place,
+    so a reader never sees a half-written object."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def uri(self) -> str:
+        return self.root.resolve().as_uri()
+
+    def _path(self, key: str) -> Path:
+        key = key.lstrip("/")
+        path = (self.root / key).resolve()
+        if self.root.resolve() not in path.parents and path != self.root.resolve():
+            raise ValueError(f"object key {key!r} escapes the store root {self.root}")
+        return path
+
+    def _write_atomic(self, target: Path, write) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None) -> None:
+        self._write_atomic(self._path(key), lambda fh: fh.write(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            # link() fails if the target exists: an atomic create-only commit.
+            os.link(tmp, target)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def put_file(self, key: str, path: Path, *, metadata: dict[str, str] | None = None) -> None:
+        def copy(fh) -> None:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, fh, 1 << 20)
+
+        self._write_atomic(self._path(key), copy)
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.uri}/{key} does not exist")
+        return path.read_bytes()
+
+    def get_file(self, key: str, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self._path(key), path)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.rglob("*")):
+            if not path.is_file() or path.name.startswith("."):
+                continue
+            key = path.relative_to(self.root).as_posix()
+            if key.startswith(prefix):
+                yield ObjectInfo(key=key, size=path.stat().st_size)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
