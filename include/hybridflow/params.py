@@ -1,0 +1,101 @@
+"""The training pipeline's trigger form: one entry per Param, with its title and description.
+
+Kept free of Airflow and heavy imports so DAG files parse fast; ``admission`` re-checks every value
+against the estate in config/ (the form only checks types and ranges).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRAINING_PARAMS: dict[str, dict[str, Any]] = {
+    "project": {
+        "default": "digits-ocr",
+        "type": "string",
+        "title": "Project",
+        "description": "The project the run belongs to (config/projects.yaml); quotas and cost follow it.",
+    },
+    "dataset_uri": {
+        "default": "private://datasets/digits",
+        "type": "string",
+        "title": "Dataset",
+        "description": "Dataset folder in private storage, e.g. private://datasets/digits (train.csv + test.csv).",
+    },
+    "sensitivity": {
+        "default": "internal",
+        "type": "string",
+        "enum": ["public", "internal", "restricted"],
+        "title": "Data sensitivity",
+        "description": "restricted data never leaves private clusters and storage.",
+    },
+    "workers": {
+        "default": 2,
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 64,
+        "title": "Workers (GPUs)",
+        "description": "Gang size: all workers start together or none do. Capped by the project's quota.",
+    },
+    "gpu_type": {
+        "default": "A100-80GB",
+        "type": "string",
+        "title": "GPU type",
+        "description": "GPU model each worker needs, as named in config/projects.yaml gpu_types.",
+    },
+    "priority": {
+        "default": "normal",
+        "type": "string",
+        "enum": ["critical", "normal", "batch"],
+        "title": "Priority",
+        "description": "critical may preempt batch work; batch waits when the team's cap is reached.",
+    },
+    "interruptible": {
+        "default": False,
+        "type": "boolean",
+        "title": "Interruptible",
+        "description": "The run tolerates preemption (it resumes from its newest checkpoint).",
+    },
+    "spot_allowed": {
+        "default": False,
+        "type": "boolean",
+        "title": "Spot allowed",
+        "description": "May run on spot capacity (cheaper, reclaimable). Requires interruptible.",
+    },
+    "cluster_preference": {
+        "default": "auto",
+        "type": "string",
+        "enum": ["auto", "private", "public"],
+        "title": "Cluster preference",
+        "description": "auto: private first, spill to public when the private queue is busy.",
+    },
+    "train_steps": {
+        "default": 300,
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 100000,
+        "title": "Training steps",
+        "description": "Optimizer steps for the whole gang.",
+    },
+    "checkpoint_every_steps": {
+        "default": 50,
+        "type": "integer",
+        "minimum": 1,
+        "title": "Checkpoint every N steps",
+        "description": "A retried or preempted run loses at most this many steps.",
+    },
+    "compression": {
+        "default": "best",
+        "type": "string",
+        "enum": ["int8", "fp16", "best"],
+        "title": "Compression",
+        "description": "int8 dynamic quantization, fp16 half precision, or best: the smallest that keeps accuracy.",
+    },
+    "deploy": {
+        "default": True,
+        "type": "boolean",
+        "title": "Deploy",
+        "description": "Roll the compressed model out to the private inference endpoint (blue/green).",
+    },
+}
+
+PARAM_DEFAULTS: dict[str, Any] = {name: spec["default"] for name, spec in TRAINING_PARAMS.items()}

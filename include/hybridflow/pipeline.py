@@ -1,0 +1,211 @@
+"""The training pipeline's steps: what each Airflow task does, between the trigger form and the
+domain modules. Every step takes plain JSON (Params and upstream XCom) and returns plain JSON
+references; data stays in storage.
+
+Re-running any step is safe: outputs are keyed by the run (``RunIdentity.run_key``) and by content,
+so a cleared task re-attaches to, or overwrites, what its earlier try made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hybridflow.runs import RunIdentity, run_dir
+from hybridflow.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def _estate(settings: Settings):
+    from hybridflow.config import load_estate
+
+    return load_estate(settings.config_dir)
+
+
+def _admitted(run: Mapping[str, Any]):
+    from hybridflow.admission import AdmittedRun
+
+    return AdmittedRun.from_xcom(dict(run))
+
+
+def admit(params: Mapping[str, Any], identity: RunIdentity, settings: Settings | None = None) -> dict:
+    from hybridflow.admission import admit as admit_request
+
+    settings = settings or get_settings()
+    admitted = admit_request(params, _estate(settings), settings.private_root)
+    log.info("Admitted run %s for project %s: %s", identity.run_key, admitted.request.project, admitted.to_xcom())
+    return {**admitted.to_xcom(), "run_key": identity.run_key}
+
+
+def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    from hybridflow.datasets import resolve_dataset
+    from hybridflow.validation import validate_dataset
+
+    settings = settings or get_settings()
+    pipeline_cfg = _estate(settings).pipeline
+    admitted = _admitted(run)
+    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
+    started = time.monotonic()
+    summary = validate_dataset(
+        dataset,
+        min_rows=pipeline_cfg.data.min_rows,
+        max_rows=pipeline_cfg.data.max_rows,
+        report_dir=run_dir(settings.private_root, run["run_key"]) / "validation",
+    )
+    return {**summary.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
+
+
+def cluster_usage(estate, settings: Settings) -> dict[str, int]:
+    """GPUs held right now on each cluster, as its backend reports them."""
+    from hybridflow.backends.local import LocalSlotPool
+
+    usage: dict[str, int] = {}
+    for name, cluster in estate.clusters.items():
+        if cluster.backend == "local":
+            usage[name] = LocalSlotPool(settings.state_dir, name, cluster.total_gpus).usage()
+    return usage
+
+
+def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    from hybridflow.placement import choose_cluster as place
+
+    settings = settings or get_settings()
+    estate = _estate(settings)
+    decision = place(_admitted(run), estate, cluster_usage(estate, settings))
+    log.info("Placement decision:\n%s", decision.explain())
+    return decision.to_xcom()
+
+
+def cache_store_spec(cluster, prefix: str = ""):
+    from hybridflow.hooks.object_store import ObjectStoreHook
+
+    return ObjectStoreHook(cluster.cache.conn_id).store_spec(cluster.cache.bucket, prefix)
+
+
+def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    """Private cluster: train where the data lives. Public cluster: copy it to the cluster's cache."""
+    from hybridflow.datasets import resolve_dataset
+    from hybridflow.staging import stage_dataset
+    from hybridflow.storage.objectstore import open_store
+
+    settings = settings or get_settings()
+    admitted = _admitted(run)
+    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
+    cluster = _estate(settings).clusters[placement["cluster"]]
+    if cluster.location == "private":
+        log.info("Cluster %s is private: the data is already there, nothing to stage.", placement["cluster"])
+        return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False}
+    spec = cache_store_spec(cluster)
+    result = stage_dataset(
+        dataset,
+        open_store(spec),
+        sensitivity=admitted.request.sensitivity,
+        target_location=cluster.location,
+        run_key=run["run_key"],
+    )
+    return {
+        "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
+        "staged": True,
+        "staging": result.to_xcom(),
+    }
+
+
+def checkpoint_store_spec(run_key: str, cluster, settings: Settings):
+    """Where the run's checkpoints live: private storage, or the public cluster's cache bucket."""
+    from hybridflow.storage.objectstore import StoreSpec
+
+    if cluster.checkpoint_store == "cache":
+        return cache_store_spec(cluster, f"checkpoints/{run_key}")
+    return StoreSpec(kind="local", root=str(settings.private_root / "checkpoints" / run_key))
+
+
+def evaluate(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    from hybridflow.datasets import resolve_dataset
+    from hybridflow.errors import HybridFlowError
+    from hybridflow.evaluation import evaluate_model
+
+    settings = settings or get_settings()
+    min_accuracy = _estate(settings).pipeline.evaluation.min_accuracy
+    dataset = resolve_dataset(_admitted(run).request.dataset_uri, settings.private_root)
+    started = time.monotonic()
+    report = evaluate_model(Path(trained["model_path"]), dataset.split_path("test"))
+    out = run_dir(settings.private_root, run["run_key"]) / "evaluation.json"
+    out.write_text(json.dumps(report, indent=2))
+    log.info("Held-out accuracy %.4f on %d samples (bar %.2f)", report["accuracy"], report["n"], min_accuracy)
+    if report["accuracy"] < min_accuracy:
+        raise HybridFlowError(
+            f"model accuracy {report['accuracy']:.4f} is below evaluation.min_accuracy {min_accuracy}; "
+            "train longer (train_steps) or check the data, then clear the train task"
+        )
+    return {
+        "accuracy": report["accuracy"],
+        "n": report["n"],
+        "report_path": str(out),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def compress(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    from hybridflow.compression import compress_model
+    from hybridflow.datasets import resolve_dataset
+
+    settings = settings or get_settings()
+    admitted = _admitted(run)
+    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
+    started = time.monotonic()
+    report = compress_model(
+        Path(trained["model_path"]),
+        dataset.split_path("test"),
+        run_dir(settings.private_root, run["run_key"]) / "compressed",
+        mode=admitted.request.compression,
+        max_accuracy_drop=_estate(settings).pipeline.compression.max_accuracy_drop,
+    )
+    return {**report, "seconds": round(time.monotonic() - started, 3)}
+
+
+def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    from hybridflow.datasets import parse_split, resolve_dataset
+    from hybridflow.serving.deploy import deploy as deploy_model
+
+    settings = settings or get_settings()
+    admitted = _admitted(run)
+    if not admitted.request.deploy:
+        log.info("deploy=false: the compressed model is kept in %s, not served", compressed["artifact_path"])
+        return {"deployed": False}
+    serving = _estate(settings).pipeline.serving
+    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
+    x, y = parse_split(dataset.split_path("test").read_bytes())
+    started = time.monotonic()
+    result = deploy_model(
+        Path(compressed["artifact_path"]),
+        compressed["variant"],
+        run["run_key"],
+        state_root=settings.state_dir / "serving",
+        endpoint=serving.endpoint,
+        port=serving.port,
+        smoke=(x[:200] * 16.0, y[:200]),
+        min_smoke_accuracy=serving.smoke_min_accuracy,
+        log=log,
+    )
+    return {**result, "deployed": True, "seconds": round(time.monotonic() - started, 3)}
+
+
+def record(
+    run: Mapping[str, Any],
+    identity: RunIdentity,
+    steps: Mapping[str, Mapping[str, Any] | None],
+    settings: Settings | None = None,
+) -> dict:
+    """Write the run record later cost work reads. Keyed by the run: re-running replaces it."""
+    from hybridflow.records import build_record, write_record
+
+    settings = settings or get_settings()
+    rec = build_record(_admitted(run), identity, steps)
+    path = write_record(settings.private_root, rec)
+    log.info("Run record written to %s", path)
+    return {"record_path": str(path), **{k: rec[k] for k in ("cluster", "gpu_hours", "workers")}}

@@ -1,0 +1,87 @@
+"""Run records: one JSON document per DAG run, the input of cost allocation and audits."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hybridflow.runs import RunIdentity
+
+RECORD_FORMAT = "hybridflow.run-record/v1"
+
+
+def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[str, Any] | None]) -> dict:
+    req = admitted.request
+    placement = steps.get("choose_cluster") or {}
+    trained = steps.get("train") or {}
+    staged = steps.get("stage_data") or {}
+    evaluated = steps.get("evaluate") or {}
+    compressed = steps.get("compress") or {}
+    deployed = steps.get("deploy") or {}
+    gpu_seconds = float(trained.get("gpu_seconds", 0.0))
+    return {
+        "format": RECORD_FORMAT,
+        "run_key": identity.run_key,
+        "dag_id": identity.dag_id,
+        "run_id": identity.run_id,
+        "triggered_by": identity.triggered_by,
+        "project": req.project,
+        "team": admitted.team,
+        "dataset_uri": req.dataset_uri,
+        "sensitivity": req.sensitivity,
+        "priority": req.priority,
+        "cluster": placement.get("cluster"),
+        "location": placement.get("location"),
+        "pricing_class": placement.get("pricing_class"),
+        "spot": placement.get("pricing_class") == "spot",
+        "price_per_gpu_hour": placement.get("price_per_gpu_hour"),
+        "gpu_type": req.gpu_type,
+        "workers": req.workers,
+        "gpu_seconds": gpu_seconds,
+        "gpu_hours": round(gpu_seconds / 3600.0, 6),
+        "train_attempts": trained.get("attempts", []),
+        "checkpoints": {
+            "store": trained.get("checkpoint_store"),
+            "count": trained.get("checkpoints_written"),
+            "resumed_from_step": trained.get("start_step"),
+            "final_step": trained.get("final_step"),
+        },
+        "staging": staged.get("staging"),
+        "accuracy": evaluated.get("accuracy"),
+        "compression": {k: compressed.get(k) for k in ("variant", "artifact_path", "variants") if k in compressed},
+        "endpoint": deployed.get("endpoint_url"),
+        "model_version": deployed.get("version"),
+        "artefacts": {
+            "model": trained.get("model_path"),
+            "compressed_model": compressed.get("artifact_path"),
+            "validation_report": (steps.get("validate_data") or {}).get("report_dir"),
+            "evaluation_report": evaluated.get("report_path"),
+        },
+        "durations_s": {name: (out or {}).get("seconds") for name, out in steps.items()},
+        "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def record_path(private_root: Path, project: str, run_key: str) -> Path:
+    return private_root / "records" / project / f"{run_key}.json"
+
+
+def write_record(private_root: Path, rec: Mapping[str, Any]) -> Path:
+    path = record_path(private_root, rec["project"], rec["run_key"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(rec, fh, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_records(private_root: Path, project: str | None = None) -> list[dict]:
+    base = private_root / "records"
+    pattern = f"{project}/*.json" if project else "*/*.json"
+    return [json.loads(p.read_text()) for p in sorted(base.glob(pattern))]
