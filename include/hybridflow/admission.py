@@ -1,0 +1,154 @@
+"""Admit a run: check the trigger Params against the estate before anything is staged or started.
+
+``admit`` is pure: it reads the config and checks that the dataset folder exists, and writes nothing,
+so a refused run leaves no trace to clean up. Every refusal is an :class:`AdmissionError` naming the
+Param at fault and what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hybridflow.config import Estate
+from hybridflow.datasets import resolve_dataset
+from hybridflow.errors import AdmissionError
+from hybridflow.params import PARAM_DEFAULTS
+
+__all__ = ["PARAM_DEFAULTS", "AdmittedRun", "RunRequest", "admit"]
+
+Sensitivity = Literal["public", "internal", "restricted"]
+Priority = Literal["critical", "normal", "batch"]
+ClusterPreference = Literal["auto", "private", "public"]
+Compression = Literal["int8", "fp16", "best"]
+
+
+class RunRequest(BaseModel):
+    """The trigger Params of one training run (defaults equal ``PARAM_DEFAULTS``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str = Field(default="digits-ocr", min_length=1)
+    dataset_uri: str = Field(default="private://datasets/digits", min_length=1)
+    sensitivity: Sensitivity = "internal"
+    workers: int = Field(default=2, ge=1)
+    gpu_type: str = Field(default="A100-80GB", min_length=1)
+    priority: Priority = "normal"
+    interruptible: bool = False
+    spot_allowed: bool = False
+    cluster_preference: ClusterPreference = "auto"
+    train_steps: int = Field(default=300, ge=1, le=100_000)
+    checkpoint_every_steps: int = Field(default=50, ge=1)
+    compression: Compression = "best"  # best: try int8 and fp16, keep the smallest that passes
+    deploy: bool = True
+
+    @field_validator("workers", "train_steps", "checkpoint_every_steps", mode="before")
+    @classmethod
+    def _no_bool_counts(cls, value: Any) -> Any:
+        # bool is an int subclass: workers=true would silently become 1 GPU.
+        if isinstance(value, bool):
+            raise ValueError("expected a whole number, not true/false")
+        return value
+
+    @property
+    def must_stay_private(self) -> bool:
+        return self.sensitivity == "restricted"
+
+    @property
+    def spot_eligible(self) -> bool:
+        return self.spot_allowed and self.interruptible
+
+
+class AdmittedRun(RunRequest):
+    """A request that passed admission, plus what admission resolved. Travels between tasks as XCom."""
+
+    team: str
+    dataset_path: str
+
+    @property
+    def request(self) -> RunRequest:
+        return RunRequest(**{name: getattr(self, name) for name in RunRequest.model_fields})
+
+    def to_xcom(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_xcom(cls, data: Mapping[str, Any]) -> AdmittedRun:
+        # The pipeline adds its own keys (e.g. run_key) next to ours in the same XCom dict.
+        return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
+
+
+_FIELDS = tuple(RunRequest.model_fields)
+
+
+def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> AdmittedRun:
+    """Validate ``raw`` trigger Params against ``estate``; missing Params take their defaults."""
+    if not isinstance(raw, Mapping):
+        raise AdmissionError("params", f"expected a mapping of Param name to value, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in RunRequest.model_fields)
+    if unknown:
+        raise AdmissionError(
+            unknown[0],
+            f"unknown parameter(s) {', '.join(unknown)}; remove them. Known parameters: {', '.join(_FIELDS)}",
+        )
+    req = _parse(raw)
+
+    project = estate.projects.get(req.project)
+    if project is None:
+        raise AdmissionError(
+            "project",
+            f"unknown project {req.project!r}; use one of: {', '.join(sorted(estate.projects))} "
+            f"(or add it to projects.yaml)",
+        )
+    if req.workers > project.max_workers:
+        raise AdmissionError(
+            "workers",
+            f"{req.workers} workers exceeds project {req.project!r}'s quota of {project.max_workers} GPUs per run; "
+            f"ask for at most {project.max_workers} (or raise projects.{req.project}.max_workers)",
+        )
+    if req.gpu_type not in estate.gpu_types:
+        raise AdmissionError(
+            "gpu_type",
+            f"unknown GPU type {req.gpu_type!r}; use one of: {', '.join(sorted(estate.gpu_types))}",
+        )
+    offered = estate.offered_gpu_models()
+    if req.gpu_type not in offered:
+        raise AdmissionError(
+            "gpu_type",
+            f"no cluster has {req.gpu_type} GPUs; use one of the models on offer: {', '.join(offered)}",
+        )
+    if req.spot_allowed and not req.interruptible:
+        raise AdmissionError(
+            "spot_allowed",
+            "spot capacity can be reclaimed at any time; set interruptible=true or spot_allowed=false",
+        )
+    if req.must_stay_private and req.cluster_preference == "public":
+        raise AdmissionError(
+            "cluster_preference",
+            "restricted data never leaves private clusters; set cluster_preference=private or auto "
+            "(or lower sensitivity if the data is not restricted)",
+        )
+    if req.checkpoint_every_steps > req.train_steps:
+        raise AdmissionError(
+            "checkpoint_every_steps",
+            f"{req.checkpoint_every_steps} is more than train_steps={req.train_steps}, so no checkpoint would "
+            f"ever be written; set it to at most {req.train_steps}",
+        )
+    dataset = resolve_dataset(req.dataset_uri, private_root)
+    return AdmittedRun(**req.model_dump(), team=project.team, dataset_path=str(dataset.path))
+
+
+def _parse(raw: Mapping[str, Any]) -> RunRequest:
+    # Missing Params take RunRequest's defaults (the API may trigger with a partial conf).
+    try:
+        return RunRequest.model_validate(dict(raw))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"]
+        field = str(loc[0]) if loc else "params"
+        msg = err["msg"].removeprefix("Value error, ")
+        example = RunRequest.model_fields[field].default if field in RunRequest.model_fields else None
+        raise AdmissionError(field, f"{msg} (got {raw.get(field)!r}); e.g. {field}={example!r}") from None

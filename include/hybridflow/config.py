@@ -1,0 +1,429 @@
+"""The estate description under ``config/``: clusters, projects and pipeline-wide defaults.
+
+``load_estate`` parses ``clusters.yaml``, ``projects.yaml`` and ``pipeline.yaml`` into frozen pydantic
+models and cross-checks them. Any problem raises :class:`~hybridflow.errors.ConfigError` whose message
+names the file, the key path (``clusters.cloud-east.node_pools[0].gpus``) and what to change, so an
+operator can fix the YAML without reading this code.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from hybridflow.errors import ConfigError
+
+CLUSTERS_FILE = "clusters.yaml"
+PROJECTS_FILE = "projects.yaml"
+PIPELINE_FILE = "pipeline.yaml"
+
+PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
+# Cluster names end up in Airflow pool names, connection ids and Kubernetes labels.
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+class _Model(BaseModel):
+    # Frozen: the estate is shared (and cached) across tasks; extra=forbid: a typo is an error, not a no-op.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- clusters.yaml ---------------------------------------------------------------------------------
+
+
+class NodePool(_Model):
+    name: str = Field(min_length=1)
+    gpu_model: str = Field(min_length=1)
+    gpu_memory_gib: int = Field(gt=0)
+    gpus: int = Field(gt=0)
+    rdma: bool = False
+    spot: bool = False
+
+
+class CacheConfig(_Model):
+    conn_id: str = Field(min_length=1)
+    bucket: str = Field(min_length=1)
+
+
+class Cluster(_Model):
+    location: Literal["private", "public"]
+    region: str = Field(min_length=1)
+    backend: Literal["local", "kubernetes"] = "local"
+    conn_id: str | None = None  # kubernetes only: the Airflow Connection holding the kubeconfig
+    scheduler: Literal["volcano", "kueue"] | None = None  # kubernetes only: the gang scheduler
+    node_pools: list[NodePool] = Field(min_length=1)
+    prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
+    cache: CacheConfig | None = None
+    checkpoint_store: Literal["private", "cache"] = "private"
+
+    _name: str = PrivateAttr(default="")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def is_private(self) -> bool:
+        return self.location == "private"
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(p.gpus for p in self.node_pools)
+
+    @property
+    def gpu_models(self) -> list[str]:
+        return sorted({p.gpu_model for p in self.node_pools})
+
+    def gpus_of(self, model: str, spot: bool | None = None) -> int:
+        """GPUs of ``model``; ``spot`` None counts every pool, True/False only spot/non-spot pools."""
+        return sum(
+            p.gpus for p in self.node_pools if p.gpu_model == model and (spot is None or p.spot == spot)
+        )
+
+    def pool(self, name: str) -> NodePool:
+        for p in self.node_pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"cluster {self.name!r} has no node pool {name!r}")
+
+    def pricing_class(self, pool: NodePool) -> PricingClass:
+        if self.is_private:
+            return "onprem"
+        return "spot" if pool.spot else "on_demand"
+
+    def price_of(self, pool: NodePool) -> float:
+        """USD per GPU-hour on ``pool``; load_estate guarantees the class has a price."""
+        return self.prices[self.pricing_class(pool)]
+
+
+class ClustersFile(_Model):
+    clusters: dict[str, Cluster] = Field(min_length=1)
+
+
+# --- projects.yaml ---------------------------------------------------------------------------------
+
+
+class GpuType(_Model):
+    memory_gib: int = Field(gt=0)
+
+
+class Team(_Model):
+    pass
+
+
+class Project(_Model):
+    team: str = Field(min_length=1)
+    max_workers: int = Field(ge=1)
+
+
+class ProjectsFile(_Model):
+    gpu_types: dict[str, GpuType] = Field(min_length=1)
+    teams: dict[str, Team] = Field(min_length=1)
+    projects: dict[str, Project] = Field(min_length=1)
+
+
+# --- pipeline.yaml ---------------------------------------------------------------------------------
+
+
+class TrainingSettings(_Model):
+    batch_size: int = Field(default=64, gt=0)
+    learning_rate: float = Field(default=0.05, gt=0)
+    gang_admission_timeout_s: int = Field(default=120, gt=0)
+    checkpoint_keep: int = Field(default=3, ge=1)
+
+
+class EvaluationSettings(_Model):
+    min_accuracy: float = Field(default=0.85, ge=0, le=1)
+
+
+class CompressionSettings(_Model):
+    max_accuracy_drop: float = Field(default=0.02, ge=0, le=1)
+
+
+class DataSettings(_Model):
+    min_rows: int = Field(default=100, ge=0)
+    max_rows: int = Field(default=10_000_000, gt=0)
+
+
+class ServingSettings(_Model):
+    endpoint: str = Field(default="digits", min_length=1)
+    port: int = Field(default=8790, ge=1, le=65535)
+    smoke_min_accuracy: float = Field(default=0.85, ge=0, le=1)
+
+
+class PlacementSettings(_Model):
+    # Share of private GPUs in use at which auto runs go to public clusters instead.
+    spill_threshold: float = Field(default=0.7, ge=0, le=1)
+
+
+class PipelineConfig(_Model):
+    training: TrainingSettings = TrainingSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
+    compression: CompressionSettings = CompressionSettings()
+    data: DataSettings = DataSettings()
+    serving: ServingSettings = ServingSettings()
+    placement: PlacementSettings = PlacementSettings()
+
+
+# --- the estate ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estate:
+    config_dir: Path
+    clusters: dict[str, Cluster]
+    projects: dict[str, Project]
+    teams: dict[str, Team]
+    gpu_types: dict[str, GpuType]
+    pipeline: PipelineConfig
+
+    @property
+    def private_clusters(self) -> list[Cluster]:
+        return [c for c in self.clusters.values() if c.is_private]
+
+    @property
+    def public_clusters(self) -> list[Cluster]:
+        return [c for c in self.clusters.values() if not c.is_private]
+
+    def offered_gpu_models(self) -> list[str]:
+        return sorted({m for c in self.clusters.values() for m in c.gpu_models})
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+_cache_lock = threading.Lock()
+_cache: dict[Path, tuple[tuple, Estate]] = {}
+
+
+def load_estate(config_dir: Path, *, use_cache: bool = True) -> Estate:
+    """Parse and cross-check the three estate files in ``config_dir``.
+
+    Cached per folder and keyed by the files' mtimes and sizes, so a DAG parse loop re-reads only
+    after someone edits the YAML.
+    """
+    config_dir = Path(config_dir).resolve()
+    files = [config_dir / n for n in (CLUSTERS_FILE, PROJECTS_FILE, PIPELINE_FILE)]
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{f}: file not found; the estate needs {', '.join(p.name for p in files)}")
+    stamp = tuple((st.st_mtime_ns, st.st_size) for st in (f.stat() for f in files))
+    if use_cache:
+        with _cache_lock:
+            hit = _cache.get(config_dir)
+        if hit and hit[0] == stamp:
+            return hit[1]
+    estate = _parse(config_dir, *files)
+    with _cache_lock:
+        _cache[config_dir] = (stamp, estate)
+    return estate
+
+
+def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_path: Path) -> Estate:
+    clusters_file = _validate(ClustersFile, clusters_path)
+    projects_file = _validate(ProjectsFile, projects_path)
+    pipeline = _validate(PipelineConfig, pipeline_path, allow_empty=True)
+    for name, cluster in clusters_file.clusters.items():
+        cluster._name = name
+
+    problems = _check_clusters(clusters_path, clusters_file, projects_file)
+    problems += _check_projects(projects_path, projects_file)
+    if problems:
+        raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return Estate(
+        config_dir=config_dir,
+        clusters=dict(clusters_file.clusters),
+        projects=dict(projects_file.projects),
+        teams=dict(projects_file.teams),
+        gpu_types=dict(projects_file.gpu_types),
+        pipeline=pipeline,
+    )
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: plain YAML silently keeps the last one."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}; keep only one", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path, allow_empty: bool) -> dict:
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}; fix the syntax at the line shown") from exc
+    if data is None and allow_empty:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _validate(model: type[_M], path: Path, allow_empty: bool = False) -> _M:
+    data = _read_yaml(path, allow_empty)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(path, model, err) for err in exc.errors()]
+        raise ConfigError(f"invalid {path.name}:\n" + "\n".join(f"  - {line}" for line in lines)) from None
+
+
+def key_path(loc: tuple[Any, ...]) -> str:
+    """``('clusters', 'a', 'node_pools', 0, 'gpus')`` -> ``clusters.a.node_pools[0].gpus``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            out += " (the key itself)"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _describe(path: Path, model: type[BaseModel], err: dict[str, Any]) -> str:
+    loc = tuple(err["loc"])
+    where = f"{path}: {key_path(loc)}"
+    kind = err["type"]
+    if kind == "missing":
+        return f"{where}: required key is missing; add `{loc[-1]}: <value>`"
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+        return f"{where}: unknown key; remove it or fix its spelling{hint}"
+    value = err.get("input")
+    shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+    fix = "rename the key" if loc and loc[-1] == "[key]" else f"change the value in {path.name}"
+    return f"{where}: {err['msg']}{shown}; {fix}"
+
+
+def _allowed_keys(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """Walk the model's annotations along ``loc`` to list the keys the YAML may use there."""
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return []
+            current = field.annotation
+        elif get_origin(current) in (dict, list):
+            current = get_args(current)[-1]
+        else:
+            return []
+    current = _unwrap(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _unwrap(tp: Any) -> Any:
+    # Optional[X] / X | None / Annotated[X, ...] -> X, so the walk can continue into X.
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _unwrap(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else tp
+    return tp
+
+
+def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]:
+    problems: list[str] = []
+    gpu_names = ", ".join(sorted(pf.gpu_types))
+
+    def bad(keys: str, msg: str) -> None:
+        problems.append(f"{path}: {keys}: {msg}")
+
+    for name, c in cf.clusters.items():
+        at = f"clusters.{name}"
+        if not _NAME_RE.match(name):
+            bad(at, "cluster names use lowercase letters, digits and '-' (they become pool and label names)")
+        if c.backend == "kubernetes":
+            if not c.conn_id:
+                bad(
+                    f"{at}.conn_id", "backend kubernetes needs conn_id: the Airflow Connection of the cluster"
+                )
+            if not c.scheduler:
+                bad(
+                    f"{at}.scheduler",
+                    "backend kubernetes needs scheduler: volcano or kueue (gang scheduling)",
+                )
+        else:
+            for key in ("conn_id", "scheduler"):
+                if getattr(c, key) is not None:
+                    bad(
+                        f"{at}.{key}",
+                        "only used with backend: kubernetes; remove it or set backend: kubernetes",
+                    )
+        if c.location == "public" and c.cache is None:
+            bad(f"{at}.cache", "a public cluster needs cache: {conn_id, bucket} to stage data into")
+        if c.checkpoint_store == "cache" and c.cache is None:
+            bad(
+                f"{at}.checkpoint_store", "'cache' needs a cache: {conn_id, bucket}; add one or use 'private'"
+            )
+
+        seen_pools: set[str] = set()
+        for i, pool in enumerate(c.node_pools):
+            p_at = f"{at}.node_pools[{i}]"
+            if pool.name in seen_pools:
+                bad(f"{p_at}.name", f"duplicate node pool name {pool.name!r}; pool names must be unique")
+            seen_pools.add(pool.name)
+            gpu = pf.gpu_types.get(pool.gpu_model)
+            if gpu is None:
+                bad(
+                    f"{p_at}.gpu_model",
+                    f"{pool.gpu_model!r} is not in gpu_types ({PROJECTS_FILE}); add it there or use one of: "
+                    f"{gpu_names}",
+                )
+            elif gpu.memory_gib != pool.gpu_memory_gib:
+                bad(
+                    f"{p_at}.gpu_memory_gib",
+                    f"{pool.gpu_memory_gib} GiB disagrees with gpu_types.{pool.gpu_model}.memory_gib = "
+                    f"{gpu.memory_gib} in {PROJECTS_FILE}; make them equal",
+                )
+            if pool.spot and c.location == "private":
+                bad(f"{p_at}.spot", "spot capacity exists only on public clusters; set spot: false")
+            needed = c.pricing_class(pool)
+            if needed not in c.prices:
+                bad(
+                    f"{at}.prices",
+                    f"pool {pool.name!r} is billed as {needed!r} but prices has no {needed}; "
+                    f"add `{needed}: <USD per GPU-hour>`",
+                )
+    if not any(c.location == "private" for c in cf.clusters.values()):
+        bad(
+            "clusters",
+            "no cluster has location: private; add at least one (restricted data may only run there)",
+        )
+    # One missing price is reported once even when several pools need it.
+    return list(dict.fromkeys(problems))
+
+
+def _check_projects(path: Path, pf: ProjectsFile) -> list[str]:
+    problems: list[str] = []
+    teams = ", ".join(sorted(pf.teams))
+    for name, project in pf.projects.items():
+        if project.team not in pf.teams:
+            problems.append(
+                f"{path}: projects.{name}.team: team {project.team!r} is not defined under teams; "
+                f"add `{project.team}: {{}}` under teams or use one of: {teams}"
+            )
+    return problems

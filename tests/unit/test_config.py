@@ -1,0 +1,240 @@
+"""The estate config: the shipped files load; broken copies fail naming file, key path and fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config import load_estate
+from hybridflow.errors import ConfigError
+from hybridflow.settings import REPO_ROOT
+
+SHIPPED = REPO_ROOT / "config"
+
+
+def broken_copy(tmp_path: Path, filename: str, mutate: Callable[[dict], None]) -> Path:
+    """Copy the shipped config to tmp_path and apply ``mutate`` to one file's parsed YAML."""
+    target = tmp_path / "config"
+    shutil.copytree(SHIPPED, target)
+    data = yaml.safe_load((target / filename).read_text())
+    mutate(data)
+    (target / filename).write_text(yaml.safe_dump(data, sort_keys=False))
+    return target
+
+
+def test_shipped_config_loads() -> None:
+    estate = load_estate(SHIPPED, use_cache=False)
+    assert set(estate.clusters) >= {"onprem-a", "cloud-east"}
+    onprem, cloud = estate.clusters["onprem-a"], estate.clusters["cloud-east"]
+    assert onprem.name == "onprem-a" and onprem.is_private and onprem.checkpoint_store == "private"
+    assert cloud.location == "public" and cloud.cache is not None and cloud.checkpoint_store == "cache"
+    assert onprem.total_gpus == 4 and cloud.total_gpus == 8
+    assert cloud.gpu_models == ["A100-80GB", "H100-80GB"]
+    assert cloud.gpus_of("A100-80GB") == 4
+    assert cloud.gpus_of("A100-80GB", spot=True) == 4
+    assert cloud.gpus_of("A100-80GB", spot=False) == 0
+    assert cloud.gpus_of("H100-80GB", spot=False) == 4
+    assert cloud.price_of(cloud.pool("a100-spot")) == pytest.approx(1.45)
+    assert cloud.pricing_class(cloud.pool("h100-on-demand")) == "on_demand"
+    assert onprem.pricing_class(onprem.pool("a100")) == "onprem"
+    assert estate.projects["digits-ocr"].team == "perception"
+    assert estate.projects["ranking"].max_workers == 2
+    assert "L4" in estate.gpu_types
+    assert estate.pipeline.placement.spill_threshold == pytest.approx(0.7)
+    assert estate.pipeline.training.checkpoint_keep == 3
+    assert estate.offered_gpu_models() == ["A100-80GB", "H100-80GB"]
+
+
+def test_cache_returns_same_estate_until_a_file_changes(tmp_path: Path) -> None:
+    target = tmp_path / "config"
+    shutil.copytree(SHIPPED, target)
+    first = load_estate(target)
+    assert load_estate(target) is first
+    path = target / "projects.yaml"
+    path.write_text(path.read_text().replace("max_workers: 2", "max_workers: 3"))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    second = load_estate(target)
+    assert second is not first
+    assert second.projects["ranking"].max_workers == 3
+
+
+def _set(path: list, value) -> Callable[[dict], None]:
+    def mutate(data: dict) -> None:
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: list) -> Callable[[dict], None]:
+    def mutate(data: dict) -> None:
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+
+    return mutate
+
+
+def _no_private(data: dict) -> None:
+    data["clusters"]["onprem-a"]["location"] = "public"
+    data["clusters"]["onprem-a"]["prices"] = {"on_demand": 2.0}
+    data["clusters"]["onprem-a"]["cache"] = {"conn_id": "c", "bucket": "b"}
+
+
+BROKEN = [
+    # (file, mutation, substrings the message must contain)
+    (
+        "clusters.yaml",
+        _set(["clusters", "cloud-east", "node_pools", 0, "gpus"], 0),
+        ["clusters.cloud-east.node_pools[0].gpus", "greater than 0"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "location"], "hybrid"),
+        ["clusters.onprem-a.location", "'private' or 'public'"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "gpu"], 4),
+        ["clusters.onprem-a.node_pools[0].gpu", "unknown key", "allowed keys here", "gpu_model"],
+    ),
+    (
+        "clusters.yaml",
+        _delete(["clusters", "onprem-a", "region"]),
+        ["clusters.onprem-a.region", "add `region"],
+    ),
+    (
+        "clusters.yaml",
+        _delete(["clusters", "cloud-east", "cache"]),
+        ["clusters.cloud-east.cache", "public cluster"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "checkpoint_store"], "cache"),
+        ["clusters.onprem-a.checkpoint_store", "'private'"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "gpu_model"], "B200"),
+        ["clusters.onprem-a.node_pools[0].gpu_model", "'B200'", "gpu_types", "projects.yaml"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "gpu_memory_gib"], 40),
+        ["clusters.onprem-a.node_pools[0].gpu_memory_gib", "make them equal"],
+    ),
+    ("clusters.yaml", _no_private, ["clusters", "location: private", "add at least one"]),
+    (
+        "clusters.yaml",
+        _delete(["clusters", "cloud-east", "prices", "spot"]),
+        ["clusters.cloud-east.prices", "spot"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "prices", "onprem"], -1),
+        ["clusters.onprem-a.prices.onprem", "greater than or equal to 0"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "prices", "discount"], 0.5),
+        ["clusters.onprem-a.prices.discount", "onprem"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "backend"], "kubernetes"),
+        ["clusters.onprem-a.conn_id", "clusters.onprem-a.scheduler", "volcano or kueue"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "scheduler"], "volcano"),
+        ["clusters.onprem-a.scheduler", "backend: kubernetes"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "spot"], True),
+        ["clusters.onprem-a.node_pools[0].spot", "public clusters"],
+    ),
+    ("clusters.yaml", _set(["clusters", "Bad_Name"], None), ["clusters.Bad_Name"]),
+    (
+        "projects.yaml",
+        _set(["projects", "ranking", "team"], "ads"),
+        ["projects.ranking.team", "'ads'", "perception, search"],
+    ),
+    ("projects.yaml", _set(["projects", "ranking", "max_workers"], 0), ["projects.ranking.max_workers"]),
+    ("projects.yaml", _set(["gpu_types", "L4", "memory_gib"], "lots"), ["gpu_types.L4.memory_gib", "'lots'"]),
+    ("pipeline.yaml", _set(["placement", "spill_threshold"], 1.5), ["placement.spill_threshold", "1.5"]),
+    ("pipeline.yaml", _set(["placement", "spill"], 0.5), ["placement.spill", "spill_threshold"]),
+    ("pipeline.yaml", _set(["serving", "port"], 70000), ["serving.port", "65535"]),
+]
+
+
+@pytest.mark.parametrize(("filename", "mutate", "expected"), BROKEN, ids=[b[2][0] for b in BROKEN])
+def test_broken_config_names_file_and_key(tmp_path: Path, filename: str, mutate, expected: list[str]) -> None:
+    target = broken_copy(tmp_path, filename, mutate)
+    with pytest.raises(ConfigError) as info:
+        load_estate(target, use_cache=False)
+    message = str(info.value)
+    assert str(target / filename) in message
+    for part in expected:
+        assert part in message, f"{part!r} not in:\n{message}"
+
+
+def test_kubernetes_backend_with_conn_and_scheduler_loads(tmp_path: Path) -> None:
+    def mutate(data: dict) -> None:
+        data["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s_onprem_a", scheduler="kueue")
+
+    estate = load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
+    assert estate.clusters["onprem-a"].scheduler == "kueue"
+
+
+def test_placement_section_is_optional(tmp_path: Path) -> None:
+    estate = load_estate(broken_copy(tmp_path, "pipeline.yaml", _delete(["placement"])), use_cache=False)
+    assert estate.pipeline.placement.spill_threshold == pytest.approx(0.7)
+
+
+def test_several_problems_are_reported_together(tmp_path: Path) -> None:
+    def mutate(data: dict) -> None:
+        data["clusters"]["onprem-a"]["node_pools"][0]["gpus"] = -1
+        data["clusters"]["cloud-east"]["region"] = ""
+
+    with pytest.raises(ConfigError) as info:
+        load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
+    assert "clusters.onprem-a.node_pools[0].gpus" in str(info.value)
+    assert "clusters.cloud-east.region" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("clusters: [unclosed\n", "not valid YAML"),
+        ("- just\n- a list\n", "must be a mapping"),
+        (
+            "clusters:\n  onprem-a: {location: private}\n  onprem-a: {location: public}\n",
+            "duplicate key 'onprem-a'",
+        ),
+    ],
+)
+def test_unparseable_file_names_the_file(tmp_path: Path, text: str, expected: str) -> None:
+    target = tmp_path / "config"
+    shutil.copytree(SHIPPED, target)
+    (target / "clusters.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_estate(target, use_cache=False)
+    assert "clusters.yaml" in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    target = tmp_path / "config"
+    shutil.copytree(SHIPPED, target)
+    (target / "projects.yaml").unlink()
+    with pytest.raises(ConfigError, match="projects.yaml: file not found"):
+        load_estate(target)

@@ -1,0 +1,221 @@
+"""Placement: sovereignty, preference, spill threshold, spot eligibility, GPU model, tie-breaks, reasons."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.admission import AdmittedRun, admit
+from hybridflow.config import Estate, load_estate
+from hybridflow.errors import AdmissionError, PlacementError
+from hybridflow.placement import PlacementDecision, choose_cluster
+from hybridflow.settings import REPO_ROOT
+
+SHIPPED = REPO_ROOT / "config"
+SPOT = {"interruptible": True, "spot_allowed": True}
+
+
+@pytest.fixture(scope="module")
+def estate() -> Estate:
+    return load_estate(SHIPPED, use_cache=False)
+
+
+@pytest.fixture
+def private_root(tmp_path: Path) -> Path:
+    folder = tmp_path / "private" / "datasets" / "digits"
+    folder.mkdir(parents=True)
+    (folder / "train.csv").write_text("pixel_0,label\n0,1\n")
+    (folder / "test.csv").write_text("pixel_0,label\n0,1\n")
+    return tmp_path / "private"
+
+
+@pytest.fixture
+def run_for(estate: Estate, private_root: Path) -> Callable[..., AdmittedRun]:
+    def make(estate_: Estate | None = None, **params) -> AdmittedRun:
+        return admit(params, estate_ or estate, private_root)
+
+    return make
+
+
+def custom_estate(tmp_path: Path, mutate: Callable[[dict, dict, dict], None]) -> Estate:
+    """The shipped config with (clusters, projects, pipeline) edited by ``mutate``."""
+    target = tmp_path / "config"
+    shutil.copytree(SHIPPED, target)
+    names = ("clusters.yaml", "projects.yaml", "pipeline.yaml")
+    docs = [yaml.safe_load((target / n).read_text()) for n in names]
+    mutate(*docs)
+    for name, doc in zip(names, docs, strict=True):
+        (target / name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_estate(target, use_cache=False)
+
+
+def candidate(decision: PlacementDecision, name: str) -> dict:
+    return next(c for c in decision.candidates if c["cluster"] == name)
+
+
+def test_default_run_goes_private_first(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(), estate, {})
+    assert (d.cluster, d.location, d.node_pool) == ("onprem-a", "private", "a100")
+    assert d.pricing_class == "onprem" and d.price_per_gpu_hour == pytest.approx(1.20)
+    assert d.gpus == 2 and d.gpu_model == "A100-80GB" and not d.spot
+    assert any("private first" in r for r in d.reasons)
+    east = candidate(d, "cloud-east")
+    assert not east["eligible"] and east["score"] is None
+    assert any("spot only" in r for r in east["reasons"])
+    assert candidate(d, "onprem-a")["rank"] == 1
+
+
+def test_restricted_with_public_preference_is_refused_at_admission(run_for) -> None:
+    with pytest.raises(AdmissionError) as info:
+        run_for(sensitivity="restricted", cluster_preference="public", **SPOT)
+    assert info.value.field == "cluster_preference"
+
+
+def test_restricted_stays_private_even_when_private_is_full(estate: Estate, run_for) -> None:
+    run = run_for(sensitivity="restricted", **SPOT)
+    d = choose_cluster(run, estate, {"onprem-a": 4})
+    assert d.cluster == "onprem-a" and d.location == "private"
+    assert "restricted" in d.reasons[0]
+    assert "restricted data never leaves private clusters" in candidate(d, "cloud-east")["reasons"]
+
+
+def test_restricted_placement_refuses_forged_public_preference(estate: Estate, run_for) -> None:
+    # A hand-edited XCom must not sneak restricted data onto a public cluster.
+    forged = AdmittedRun.from_xcom({**run_for(**SPOT).to_xcom(), "sensitivity": "restricted"})
+    forged = forged.model_copy(update={"cluster_preference": "public"})
+    with pytest.raises(PlacementError) as info:
+        choose_cluster(forged, estate, {})
+    assert "restricted data never leaves private clusters" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("used", "expected"),
+    [
+        ({}, "onprem-a"),
+        ({"onprem-a": 2}, "onprem-a"),
+        ({"onprem-a": 3}, "cloud-east"),
+        ({"onprem-a": 4}, "cloud-east"),
+    ],
+)
+def test_auto_spills_to_public_past_threshold(estate: Estate, run_for, used: dict, expected: str) -> None:
+    d = choose_cluster(run_for(**SPOT), estate, used)
+    assert d.cluster == expected
+    if expected == "cloud-east":
+        assert (d.node_pool, d.pricing_class, d.spot) == ("a100-spot", "spot", True)
+        assert d.price_per_gpu_hour == pytest.approx(1.45)
+        assert any("spilling to public" in r for r in d.reasons)
+        assert any("spilling" in r for r in candidate(d, "onprem-a")["reasons"])
+        assert candidate(d, "onprem-a")["rank"] == 2
+
+
+def test_spill_threshold_comes_from_pipeline_yaml(tmp_path: Path, run_for) -> None:
+    def lower(clusters: dict, projects: dict, pipeline: dict) -> None:
+        pipeline["placement"]["spill_threshold"] = 0.4
+
+    low = custom_estate(tmp_path, lower)
+    assert choose_cluster(run_for(low, **SPOT), low, {"onprem-a": 2}).cluster == "cloud-east"
+    assert choose_cluster(run_for(low, **SPOT), low, {"onprem-a": 1}).cluster == "onprem-a"
+
+
+def test_spill_without_public_option_queues_on_private(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(), estate, {"onprem-a": 4})
+    assert d.cluster == "onprem-a"
+    assert any("no public cluster is eligible" in r for r in d.reasons)
+
+
+def test_spot_only_when_interruptible_and_allowed(estate: Estate, run_for) -> None:
+    not_allowed = run_for(interruptible=True, cluster_preference="public")
+    with pytest.raises(PlacementError) as info:
+        choose_cluster(not_allowed, estate, {})
+    assert "spot only" in str(info.value) and "spot_allowed=true" in str(info.value)
+    d = choose_cluster(run_for(cluster_preference="public", **SPOT), estate, {})
+    assert (d.cluster, d.node_pool, d.pricing_class) == ("cloud-east", "a100-spot", "spot")
+    assert any("spot pool" in r for r in d.reasons)
+
+
+def test_gpu_model_must_match(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(gpu_type="H100-80GB"), estate, {})
+    assert (d.cluster, d.node_pool, d.pricing_class, d.spot) == (
+        "cloud-east",
+        "h100-on-demand",
+        "on_demand",
+        False,
+    )
+    assert d.price_per_gpu_hour == pytest.approx(3.90)
+    assert any("no private cluster is eligible" in r for r in d.reasons)
+    assert any("offers no H100-80GB" in r for r in candidate(d, "onprem-a")["reasons"])
+
+
+def test_no_eligible_cluster_lists_every_rejection(estate: Estate, run_for) -> None:
+    run = run_for(gpu_type="H100-80GB", cluster_preference="private")
+    with pytest.raises(PlacementError) as info:
+        choose_cluster(run, estate, {})
+    message = str(info.value)
+    assert "2 x H100-80GB" in message
+    assert "onprem-a (private): offers no H100-80GB GPUs (has A100-80GB)" in message
+    assert "cloud-east (public): cluster_preference=private" in message
+    assert {c["cluster"] for c in info.value.candidates} == {"onprem-a", "cloud-east"}  # type: ignore[attr-defined]
+
+
+def test_gang_must_fit_in_one_pool(tmp_path: Path, run_for) -> None:
+    def bigger_quota(clusters: dict, projects: dict, pipeline: dict) -> None:
+        projects["projects"]["digits-ocr"]["max_workers"] = 8
+
+    big = custom_estate(tmp_path, bigger_quota)
+    with pytest.raises(PlacementError, match="largest usable A100-80GB pool has 4 GPUs; the gang needs 6"):
+        choose_cluster(run_for(big, workers=6, **SPOT), big, {})
+
+
+def _two_private(clusters: dict, projects: dict, pipeline: dict) -> None:
+    twin = json.loads(json.dumps(clusters["clusters"]["onprem-a"]))
+    twin["prices"]["onprem"] = 0.90
+    clusters["clusters"]["onprem-b"] = twin
+    pipeline["placement"]["spill_threshold"] = 0.9
+
+
+def test_tie_break_least_loaded_then_cheapest(tmp_path: Path, run_for) -> None:
+    est = custom_estate(tmp_path, _two_private)
+    run = run_for(est)
+    cheap = choose_cluster(run, est, {})
+    assert cheap.cluster == "onprem-b" and cheap.price_per_gpu_hour == pytest.approx(0.90)
+    assert any("dearer" in r for r in candidate(cheap, "onprem-a")["reasons"])
+    idle = choose_cluster(run, est, {"onprem-b": 1})
+    assert idle.cluster == "onprem-a"
+    assert any("busier" in r for r in candidate(idle, "onprem-b")["reasons"])
+    assert any("chosen over onprem-b" in r for r in idle.reasons)
+
+
+def test_exclude_fails_over_to_next_cluster(tmp_path: Path, run_for) -> None:
+    est = custom_estate(tmp_path, _two_private)
+    d = choose_cluster(run_for(est), est, {}, exclude={"onprem-b": "gang not admitted within 120 s"})
+    assert d.cluster == "onprem-a"
+    assert "excluded: gang not admitted within 120 s" in candidate(d, "onprem-b")["reasons"]
+
+
+def test_decision_xcom_round_trip_and_explain(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(**SPOT), estate, {"onprem-a": 3})
+    xcom = d.to_xcom()
+    assert json.loads(json.dumps(xcom)) == xcom
+    assert PlacementDecision.from_xcom(xcom) == d
+    assert set(xcom["candidates"][0]) >= {"cluster", "eligible", "reasons", "score"}
+    text = d.explain()
+    assert text.startswith(
+        "placement: cloud-east/a100-spot (public, spot at 1.45 USD/GPU-hour) for 2 x A100-80GB"
+    )
+    assert "why:" in text and "candidates:" in text and "onprem-a (private): rank 2" in text
+
+
+def test_choice_is_deterministic(estate: Estate, run_for) -> None:
+    run = run_for(**SPOT)
+    assert choose_cluster(run, estate, {"onprem-a": 3}) == choose_cluster(run, estate, {"onprem-a": 3})
+
+
+def test_odd_usage_numbers_are_clamped(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(**SPOT), estate, {"onprem-a": -5, "cloud-east": 99, "gone": 3})
+    assert d.cluster == "onprem-a"
+    assert candidate(d, "cloud-east")["load"] == 1.0
