@@ -175,15 +175,15 @@ def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Sett
     settings = settings or get_settings()
     admitted = _admitted(run)
     if not admitted.request.deploy:
-        log.info("deploy=false: the compressed model is kept in %s, not served", compressed["artifact_path"])
+        log.info("deploy=false: the compressed model is kept in %s, not served", compressed["artifact"])
         return {"deployed": False}
     serving = _estate(settings).pipeline.serving
     dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     x, y = parse_split(dataset.split_path("test").read_bytes())
     started = time.monotonic()
     result = deploy_model(
-        Path(compressed["artifact_path"]),
-        compressed["variant"],
+        Path(compressed["artifact"]),
+        compressed["selected"],
         run["run_key"],
         state_root=settings.state_dir / "serving",
         endpoint=serving.endpoint,

@@ -147,7 +147,7 @@ def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> d
         "seconds": None,
         "outcome": "running",
     }
-    attempts = [a for a in attempts if a["try_number"] != try_number] + [attempt]
+    attempts.append(attempt)
     _write_attempts(path, attempts)
     attempt["_t0"] = time.time()
     return attempt
@@ -156,7 +156,7 @@ def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> d
 def _finish_attempt(path: Path, attempt: dict, outcome: str) -> list[dict]:
     attempts = _read_attempts(path)
     for a in attempts:
-        if a["try_number"] == attempt["try_number"]:
+        if a["started_at"] == attempt["started_at"] and a["try_number"] == attempt["try_number"]:
             a["seconds"] = round(time.time() - attempt["_t0"], 3)
             a["outcome"] = outcome
     _write_attempts(path, attempts)
