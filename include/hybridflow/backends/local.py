@@ -1,0 +1,494 @@
+"""The local gang backend: a training gang as N worker processes on this machine.
+
+A cluster's GPUs are modelled as slots in a pool file shared by every launcher on the machine
+(Airflow workers, tests, the CLI). A gang is admitted only when all of its slots can be taken at
+once: a partial gang would hold slots while waiting on peers that never start, and two such gangs
+deadlock each other. Holdings name the launcher pid, so a launcher that died (kill -9, OOM) does
+not leak slots: the next acquirer reclaims them.
+
+Workers die with their launcher (``PR_SET_PDEATHSIG``): an orphaned gang would keep training,
+keep its slots' GPUs busy and race a rerun for the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hybridflow
+from hybridflow.errors import GangError
+
+# Same value as hybridflow.training.worker.PREEMPTED_EXIT_CODE; not imported because that pulls in torch.
+PREEMPTED_EXIT_CODE = 75
+WORKER_MODULE = "hybridflow.training.worker"
+_PR_SET_PDEATHSIG = 1
+
+
+class GangWorkerExit(GangError):
+    """A worker of an admitted gang exited non-zero: which rank, its exit code and its log tail."""
+
+    def __init__(self, message: str, *, rank: int, exit_code: int, log_tail: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+
+class GangPreempted(GangWorkerExit):
+    """A worker stopped on SIGTERM after checkpointing (exit 75): rerun the gang to resume."""
+
+
+class GangFailed(GangWorkerExit):
+    """A worker failed (any other non-zero exit); the whole gang was stopped."""
+
+
+@dataclass(frozen=True)
+class GangJob:
+    name: str  # deterministic per run (e.g. "<dag>-<run>-train") so a retry finds its own slots
+    workers: int
+    spec: dict  # written to job.json for the workers; must not hold credentials
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # extra env, incl. store credentials
+    attempt: str = "1"
+
+
+@dataclass(frozen=True)
+class GangResult:
+    exit_codes: list[int]
+    seconds: float
+    log_paths: list[Path]
+    job_dir: Path
+
+
+# -- process helpers ---------------------------------------------------------------------------
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) from /proc, or None if there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name may contain spaces and parentheses; fields resume after the last ')'.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` runs (not a zombie) and, when given, started at ``start_ticks`` (guards pid reuse)."""
+    if pid <= 0:
+        return False
+    stat = _proc_stat(pid)
+    if stat is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    state, started = stat
+    if state in ("Z", "X"):
+        return False
+    return start_ticks is None or started == start_ticks
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return stat[1] if stat else None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        # The launcher may have died between fork and prctl; then nobody would ever signal us.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _atomic_write_json(path: Path, body: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+# -- slot pool ---------------------------------------------------------------------------------
+class LocalSlotPool:
+    """``capacity`` slots of one cluster, shared across processes via a JSON file under flock.
+
+    flock on a freshly opened file excludes other processes *and* other threads of this process
+    (each open is its own lock owner), unlike lockf.
+    """
+
+    def __init__(self, state_dir: Path, cluster: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"cluster {cluster!r} needs at least one slot, got capacity {capacity}")
+        self.cluster = cluster
+        self.capacity = capacity
+        self.dir = Path(state_dir) / "slots"
+        self.path = self.dir / f"{cluster}.json"
+        self.lock_path = self.dir / f"{cluster}.lock"
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                try:
+                    state = json.loads(self.path.read_text())
+                except FileNotFoundError:
+                    state = {}
+                state.setdefault("holdings", {})
+                before = json.dumps(state, sort_keys=True)
+                self._reclaim_dead(state["holdings"])
+                yield state
+                if json.dumps(state, sort_keys=True) != before:
+                    _atomic_write_json(self.path, state)
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _reclaim_dead(self, holdings: dict) -> None:
+        for name, h in list(holdings.items()):
+            if not pid_alive(int(h["pid"]), h.get("pid_start")):
+                del holdings[name]
+
+    def try_acquire(self, job_name: str, n: int, pid: int | None = None) -> bool:
+        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name."""
+        if n < 1:
+            raise ValueError(f"a gang needs at least one worker, got {n}")
+        if n > self.capacity:
+            raise GangError(
+                f"gang {job_name!r} needs {n} slots but cluster {self.cluster!r} has only "
+                f"{self.capacity}; request at most {self.capacity} workers"
+            )
+        pid = os.getpid() if pid is None else pid
+        with self._locked() as state:
+            holdings = state["holdings"]
+            mine = holdings.get(job_name)
+            used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
+            if used + n > self.capacity:
+                return False
+            holdings[job_name] = {
+                "slots": n,
+                "pid": pid,
+                "pid_start": _start_ticks(pid),
+                "since": mine["since"] if mine else time.time(),
+            }
+            return True
+
+    def release(self, job_name: str) -> None:
+        with self._locked() as state:
+            state["holdings"].pop(job_name, None)
+
+    def usage(self) -> int:
+        with self._locked() as state:
+            return sum(int(h["slots"]) for h in state["holdings"].values())
+
+    def holdings(self) -> dict[str, dict]:
+        with self._locked() as state:
+            return dict(state["holdings"])
+
+
+# -- gang backend ------------------------------------------------------------------------------
+class LocalGangBackend:
+    """Runs gangs as local processes against a :class:`LocalSlotPool`."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        cluster: str,
+        capacity: int,
+        *,
+        grace_s: float = 30.0,
+        poll_s: float = 0.2,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.cluster = cluster
+        self.pool = LocalSlotPool(self.state_dir, cluster, capacity)
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+
+    def job_dir(self, job_name: str) -> Path:
+        return self.state_dir / "jobs" / job_name
+
+    def _record_path(self, job_name: str) -> Path:
+        return self.job_dir(job_name) / "running.json"
+
+    # -- admission ---
+    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None]) -> None:
+        deadline = time.monotonic() + admission_timeout_s
+        announced = False
+        while not self.pool.try_acquire(job.name, job.workers):
+            if time.monotonic() >= deadline:
+                raise GangError(
+                    f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: needs "
+                    f"{job.workers} slots on cluster {self.cluster!r}, {self.pool.usage()} of "
+                    f"{self.pool.capacity} in use; retry later or place the run on another cluster"
+                )
+            if not announced:
+                log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster}")
+                announced = True
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+
+    # -- run ---
+    def run(
+        self,
+        job: GangJob,
+        *,
+        admission_timeout_s: float,
+        log: Callable[[str], None] | Any = print,
+    ) -> GangResult:
+        """Admit, launch and supervise the gang; returns when every worker exited 0.
+
+        ``log`` is a callable taking one line, or a logger (lines go to ``log.info``).
+
+        Raises GangError if not admitted or a worker fails (GangPreempted for exit 75). The slots
+        are released however this ends. Call from a long-lived thread: PR_SET_PDEATHSIG fires when
+        the launching *thread* exits.
+        """
+        for label, value in (("job name", job.name), ("attempt", job.attempt)):
+            if not value or "/" in value or value in (".", ".."):
+                raise GangError(
+                    f"{label} {value!r} cannot name a folder; use letters, digits, '-', '_' or '.'"
+                )
+        if job.workers < 1:
+            raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
+        if hasattr(log, "info"):  # a logging/structlog logger, e.g. an operator's self.log
+            log = log.info
+        self._admit(job, admission_timeout_s, log)
+        procs: list[subprocess.Popen] = []
+        try:
+            self._stop_leftovers(job.name, log)
+            run_dir = self.job_dir(job.name) / job.attempt
+            run_dir.mkdir(parents=True, exist_ok=True)
+            spec_path = run_dir / "job.json"
+            _atomic_write_json(spec_path, job.spec)
+            log_paths = [run_dir / f"rank-{r}.log" for r in range(job.workers)]
+            port = _free_port()
+            base_env = dict(os.environ)
+            base_env.update(job.env)
+            include_dir = str(Path(hybridflow.__file__).resolve().parents[1])
+            base_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (include_dir, base_env.get("PYTHONPATH")) if p
+            )
+            base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gang talks over loopback only
+            base_env.update(
+                {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": str(job.workers),
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            log(
+                f"gang {job.name} attempt {job.attempt}: starting {job.workers} workers on "
+                f"{self.cluster} (master 127.0.0.1:{port}, logs {run_dir})"
+            )
+            # A reused attempt label appends to its logs; stream only what this launch writes.
+            rank0_offset = log_paths[0].stat().st_size if log_paths[0].exists() else 0
+            started = time.monotonic()
+            for rank in range(job.workers):
+                env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                with open(log_paths[rank], "ab") as out:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", WORKER_MODULE, "--spec", str(spec_path)],
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            cwd=run_dir,
+                            preexec_fn=_die_with_parent(os.getpid()),
+                        )
+                    )
+            _atomic_write_json(
+                self._record_path(job.name),
+                {
+                    "attempt": job.attempt,
+                    "launcher_pid": os.getpid(),
+                    "workers": [
+                        {"rank": r, "pid": p.pid, "pid_start": _start_ticks(p.pid)}
+                        for r, p in enumerate(procs)
+                    ],
+                },
+            )
+            codes, first_failure = self._supervise(job, procs, log_paths[0], rank0_offset, log)
+            seconds = time.monotonic() - started
+            failed = [(r, c) for r, c in enumerate(codes) if c != 0]
+            if failed:
+                rank, code = first_failure or failed[0]
+                others = ", ".join(f"rank {r}: {c}" for r, c in failed if r != rank) or "none"
+                tail = _tail(log_paths[rank])
+                if code == PREEMPTED_EXIT_CODE:
+                    raise GangPreempted(
+                        f"gang {job.name!r} was preempted (rank {rank} exited {code} after checkpointing); "
+                        f"rerun to resume from the last checkpoint. Log {log_paths[rank]}:\n{tail}",
+                        rank=rank,
+                        exit_code=code,
+                        log_tail=tail,
+                    )
+                raise GangFailed(
+                    f"gang {job.name!r} failed: rank {rank} exited with code {code} (other ranks: {others}). "
+                    f"Log {log_paths[rank]}, last lines:\n{tail}",
+                    rank=rank,
+                    exit_code=code,
+                    log_tail=tail,
+                )
+            log(f"gang {job.name}: all {job.workers} workers finished in {seconds:.1f}s")
+            return GangResult(exit_codes=codes, seconds=seconds, log_paths=log_paths, job_dir=run_dir)
+        finally:
+            self._terminate(procs)
+            self._record_path(job.name).unlink(missing_ok=True)
+            self.pool.release(job.name)
+
+    def _supervise(
+        self,
+        job: GangJob,
+        procs: list[subprocess.Popen],
+        rank0_log: Path,
+        rank0_offset: int,
+        log: Callable[[str], None],
+    ) -> tuple[list[int], tuple[int, int] | None]:
+        """Wait for all workers, streaming rank 0's log; on the first failure stop the others.
+        Returns the exit codes and the (rank, code) of the first failure seen."""
+        first_failure: tuple[int, int] | None = None
+        partial = b""
+        with open(rank0_log, "rb") as stream:
+            stream.seek(rank0_offset)
+
+            def pump() -> None:
+                nonlocal partial
+                chunk = stream.read()
+                if chunk:
+                    *lines, partial = (partial + chunk).split(b"\n")
+                    for line in lines:
+                        log(line.decode(errors="replace"))
+
+            while True:
+                pump()
+                codes = [p.poll() for p in procs]
+                if first_failure is None:
+                    failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                    if failed:
+                        first_failure = failed[0]
+                        log(
+                            f"gang {job.name}: rank {failed[0][0]} exited {failed[0][1]}; stopping the other workers"
+                        )
+                        self._terminate(procs)
+                        continue
+                if all(c is not None for c in codes):
+                    break
+                time.sleep(self.poll_s)
+            pump()
+            if partial:
+                log(partial.decode(errors="replace"))
+        return [p.returncode for p in procs], first_failure
+
+    def _terminate(self, procs: list[subprocess.Popen]) -> None:
+        """SIGTERM (workers checkpoint and exit 75), then SIGKILL after the grace period."""
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _stop_leftovers(self, job_name: str, log: Callable[[str], None]) -> None:
+        """Workers of an earlier launch of this job that are still alive would race this one."""
+        record_path = self._record_path(job_name)
+        try:
+            record = json.loads(record_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        pids = self._live_workers(record)
+        if pids:
+            log(f"gang {job_name}: stopping {len(pids)} leftover workers of attempt {record.get('attempt')}")
+            self._kill_pids(pids)
+        record_path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _live_workers(record: dict) -> list[int]:
+        # Pid reuse guard: same start time and still our worker module on the command line.
+        return [
+            w["pid"]
+            for w in record.get("workers", [])
+            if pid_alive(w["pid"], w.get("pid_start")) and WORKER_MODULE in _cmdline(w["pid"])
+        ]
+
+    def _kill_pids(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+            time.sleep(0.1)
+        for pid in pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError as exc:
+                    if exc.errno != errno.ESRCH:
+                        raise
+
+    def cancel(self, job_name: str) -> bool:
+        """Stop a running gang recorded in state (used by an operator's on_kill). The workers get
+        SIGTERM, so they checkpoint first. Returns False if no live gang was found."""
+        try:
+            record = json.loads(self._record_path(job_name).read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        pids = self._live_workers(record)
+        self._kill_pids(pids)
+        # A launcher in this process releases in its finally; a dead one never will.
+        if not pid_alive(int(record.get("launcher_pid", 0))):
+            self.pool.release(job_name)
+            self._record_path(job_name).unlink(missing_ok=True)
+        return bool(pids)

@@ -1,0 +1,237 @@
+"""Local gang backend without training: slot admission, reclaiming, process supervision."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.backends.local import (
+    GangJob,
+    LocalGangBackend,
+    LocalSlotPool,
+    _die_with_parent,
+    pid_alive,
+)
+from hybridflow.errors import GangError
+
+
+def _wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def test_gang_is_all_or_nothing(tmp_path):
+    pool = LocalSlotPool(tmp_path, "onprem-a", capacity=4)
+    assert pool.try_acquire("job-a", 3)
+    assert not pool.try_acquire("job-b", 2)  # only 1 free: no partial grant
+    assert pool.usage() == 3
+    assert "job-b" not in pool.holdings()
+    assert pool.try_acquire("job-c", 1)
+    assert pool.usage() == 4
+    pool.release("job-a")
+    assert pool.try_acquire("job-b", 2)
+    assert pool.usage() == 3
+
+
+def test_reacquire_same_job_is_idempotent(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=4)
+    assert pool.try_acquire("job", 3)
+    assert pool.try_acquire("job", 3)
+    assert pool.usage() == 3
+    pool.release("job")
+    pool.release("job")  # releasing twice is harmless
+    assert pool.usage() == 0
+
+
+def test_gang_larger_than_cluster_is_refused(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=2)
+    with pytest.raises(GangError, match="needs 3 slots but cluster 'c' has only 2"):
+        pool.try_acquire("big", 3)
+
+
+def test_pools_of_different_clusters_are_independent(tmp_path):
+    a, b = LocalSlotPool(tmp_path, "a", 2), LocalSlotPool(tmp_path, "b", 2)
+    assert a.try_acquire("x", 2) and b.try_acquire("y", 2)
+
+
+def test_dead_holders_are_reclaimed(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=2)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert pool.try_acquire("crashed-launcher", 2, pid=dead.pid)
+    assert pool.try_acquire("next", 2)  # the dead holder's slots came back
+    assert set(pool.holdings()) == {"next"}
+
+
+def test_zombie_holder_is_reclaimed(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=1)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert pool.try_acquire("zombie", 1, pid=child.pid)
+        assert _wait_for(lambda: not pid_alive(child.pid))  # exited but not yet reaped
+        assert pool.try_acquire("next", 1)
+    finally:
+        child.wait()
+
+
+def test_reused_pid_does_not_keep_slots(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=1)
+    assert pool.try_acquire("old", 1)
+    # Pretend the holder was an earlier process that happened to have our pid.
+    state = json.loads(pool.path.read_text())
+    state["holdings"]["old"]["pid_start"] = -1
+    pool.path.write_text(json.dumps(state))
+    assert pool.try_acquire("new", 1)
+
+
+def _churn(state_dir: str, name: str, capacity: int, counter, violations, rounds: int) -> None:
+    pool = LocalSlotPool(Path(state_dir), "shared", capacity)
+    rng = random.Random(name)
+    for _ in range(rounds):
+        n = rng.randint(1, capacity)
+        if pool.try_acquire(name, n):
+            with counter.get_lock():
+                counter.value += n
+                if counter.value > capacity:
+                    violations.value += 1
+            time.sleep(0.002)
+            with counter.get_lock():
+                counter.value -= n
+            pool.release(name)
+
+
+def test_concurrent_processes_never_exceed_capacity(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    counter, violations = ctx.Value("i", 0), ctx.Value("i", 0)
+    procs = [
+        ctx.Process(target=_churn, args=(str(tmp_path), f"job-{i}", 3, counter, violations, 40))
+        for i in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert violations.value == 0
+    assert LocalSlotPool(tmp_path, "shared", 3).usage() == 0
+
+
+def test_concurrent_threads_never_exceed_capacity(tmp_path):
+    # flock on a fresh open() excludes threads of one process too.
+    lock = threading.Lock()
+    counter = type("C", (), {"value": 0, "get_lock": lambda self: lock})()
+    violations = type("V", (), {"value": 0})()
+    threads = [
+        threading.Thread(target=_churn, args=(str(tmp_path), f"t-{i}", 3, counter, violations, 40))
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert violations.value == 0
+
+
+def test_gang_not_admitted_within_timeout(tmp_path):
+    backend = LocalGangBackend(tmp_path, "onprem-a", capacity=2)
+    assert backend.pool.try_acquire("someone-else", 1)
+    job = GangJob(name="train-run-1", workers=2, spec={}, env={"HYBRIDFLOW_STORE_SECRET_KEY": "s3cret"})
+    lines: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(GangError, match="not admitted within 0.5s"):
+        backend.run(job, admission_timeout_s=0.5, log=lines.append)
+    assert time.monotonic() - started < 5
+    assert set(backend.pool.holdings()) == {"someone-else"}
+    assert not (tmp_path / "jobs" / "train-run-1").exists()  # nothing was started
+    assert not any("s3cret" in line for line in lines)
+
+
+def test_cancel_unknown_job_is_a_no_op(tmp_path):
+    assert LocalGangBackend(tmp_path, "c", 1).cancel("nothing-here") is False
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+from hybridflow.backends.local import _die_with_parent
+import os
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         preexec_fn=_die_with_parent(os.getpid()))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_children_die_with_a_killed_launcher():
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(launcher.stdout.readline())
+        assert pid_alive(child_pid)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert _wait_for(lambda: not pid_alive(child_pid)), "worker outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_preexec_kills_child_if_parent_already_gone():
+    # A parent pid that is not ours: the child must not run unsupervised.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        preexec_fn=_die_with_parent(os.getpid() + 10**6),
+    )
+    assert child.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_terminate_escalates_to_sigkill(tmp_path):
+    backend = LocalGangBackend(tmp_path, "c", 1, grace_s=0.5)
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stubborn.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    backend._terminate([stubborn])
+    assert stubborn.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("name", ["", "..", "a/b"])
+def test_job_names_cannot_escape_the_state_dir(tmp_path, name):
+    backend = LocalGangBackend(tmp_path, "c", 1)
+    with pytest.raises(GangError, match="cannot name a folder"):
+        backend.run(GangJob(name=name, workers=1, spec={}), admission_timeout_s=0.1)
+    assert backend.pool.usage() == 0
+
+
+def test_run_accepts_a_logger(tmp_path, caplog):
+    import logging
+
+    backend = LocalGangBackend(tmp_path, "c", 1)
+    backend.pool.try_acquire("other", 1)
+    with caplog.at_level(logging.INFO), pytest.raises(GangError, match="not admitted"):
+        backend.run(
+            GangJob(name="j", workers=1, spec={}), admission_timeout_s=0.2, log=logging.getLogger("op")
+        )
+    assert "waiting for 1 free slots" in caplog.text
