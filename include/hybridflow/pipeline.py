@@ -75,10 +75,11 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
     from hybridflow.placement import choose_cluster as place
 
     settings = settings or get_settings()
+    started = time.monotonic()
     estate = _estate(settings)
     decision = place(_admitted(run), estate, cluster_usage(estate, settings))
     log.info("Placement decision:\n%s", decision.explain())
-    return decision.to_xcom()
+    return {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
 
 
 def cache_store_spec(cluster, prefix: str = ""):
@@ -94,12 +95,13 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
     from hybridflow.storage.objectstore import open_store
 
     settings = settings or get_settings()
+    started = time.monotonic()
     admitted = _admitted(run)
     dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     cluster = _estate(settings).clusters[placement["cluster"]]
     if cluster.location == "private":
         log.info("Cluster %s is private: the data is already there, nothing to stage.", placement["cluster"])
-        return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False}
+        return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False, "seconds": 0.0}
     spec = cache_store_spec(cluster)
     result = stage_dataset(
         dataset,
@@ -112,6 +114,7 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
         "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
         "staged": True,
         "staging": result.to_xcom(),
+        "seconds": round(time.monotonic() - started, 3),
     }
 
 

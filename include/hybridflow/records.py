@@ -59,7 +59,7 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         "artefacts": {
             "model": trained.get("model_path"),
             "compressed_model": compressed.get("artifact"),
-            "validation_report": (steps.get("validate_data") or {}).get("report_dir"),
+            "validation_report": ((steps.get("validate_data") or {}).get("reports") or {}).get("summary"),
             "evaluation_report": evaluated.get("report_path"),
         },
         "durations_s": {name: (out or {}).get("seconds") for name, out in steps.items()},

@@ -1,0 +1,122 @@
+"""``hybridflow``: the operator's command line for the embedded default.
+
+    hybridflow demo            set up and run the training pipeline end to end, print where things are
+    hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
+    hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DAG_ID = "hybrid_training"
+
+
+def _airflow() -> str:
+    return str(Path(sys.executable).parent / "airflow")
+
+
+def _prepare(stack) -> dict[str, str]:
+    env = {**os.environ, **stack.up()}
+    log = stack.dev_dir / "airflow-db-migrate.log"
+    with open(log, "wb") as fh:
+        done = subprocess.run([_airflow(), "db", "migrate"], env=env, stdout=fh, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"airflow db migrate failed; see {log}")
+    return env
+
+
+def _newest_record(private_root: Path, since: float) -> dict | None:
+    records = [p for p in (private_root / "records").glob("*/*.json") if p.stat().st_mtime >= since]
+    if not records:
+        return None
+    return json.loads(max(records, key=lambda p: p.stat().st_mtime).read_text())
+
+
+def cmd_demo(args) -> int:
+    from hybridflow.devenv.stack import DevStack
+
+    stack = DevStack.default()
+    env = _prepare(stack)
+    conf = json.loads(args.conf) if args.conf else {}
+    started = time.time()
+    log_path = stack.dev_dir / f"demo-{int(started)}.log"
+    print(f"Running {DAG_ID} with {conf or 'default Params'} (full log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [_airflow(), "dags", "test", DAG_ID, "-c", json.dumps(conf)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for line in proc.stdout:
+            log.write(line)
+            if not args.quiet:
+                sys.stdout.write(line)
+        proc.wait()
+    record = _newest_record(stack.settings.private_root, started)
+    if proc.returncode != 0 or record is None:
+        print(f"\nThe pipeline run failed; see {log_path}", file=sys.stderr)
+        return 1
+    wall = time.time() - started
+    print(f"\n=== {DAG_ID} finished in {wall:.1f} s ===")
+    print(f"run:               {record['run_id']} ({record['run_key']})")
+    print(f"placement:         {record['cluster']} ({record['location']}, {record['pricing_class']})")
+    print(f"accuracy:          {record['accuracy']}")
+    print(f"model:             {record['artefacts']['model']}")
+    print(f"compressed model:  {record['artefacts']['compressed_model']}")
+    print(f"validation report: {record['artefacts']['validation_report']}")
+    print(f"evaluation report: {record['artefacts']['evaluation_report']}")
+    print(f"run record:        {stack.settings.private_root / 'records' / record['project'] / (record['run_key'] + '.json')}")
+    print(f"endpoint:          {record['endpoint']}  (POST /predict {{\"instances\": [[64 pixels 0..16]]}})")
+    print(f"Airflow env:       source {stack.env_file}   # then: airflow dags list-runs {DAG_ID}")
+    return 0
+
+
+def cmd_ui(args) -> int:
+    from hybridflow.devenv.stack import DevStack
+
+    stack = DevStack.default()
+    env = _prepare(stack)
+    print(f"Airflow UI on http://127.0.0.1:{env['AIRFLOW__API__PORT']} (Ctrl-C stops it)", flush=True)
+    return subprocess.call([_airflow(), "standalone"], env=env)
+
+
+def cmd_dev(args) -> int:
+    from hybridflow.devenv.stack import DevStack
+
+    stack = DevStack.default()
+    if args.action == "up":
+        stack.up()
+        print(f"embedded default is up; environment in {stack.env_file}")
+    else:
+        for line in stack.down():
+            print(f"stopped {line}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the training pipeline end to end on the embedded default")
+    demo.add_argument("--conf", help='trigger Params as JSON, e.g. \'{"cluster_preference": "public"}\'')
+    demo.add_argument("--quiet", action="store_true", help="only print the summary")
+    demo.set_defaults(func=cmd_demo)
+    ui = sub.add_parser("ui", help="start Airflow (api-server, scheduler, triggerer) on the same setup")
+    ui.set_defaults(func=cmd_ui)
+    dev = sub.add_parser("dev", help="start or stop the embedded object stores and endpoints")
+    dev.add_argument("action", choices=["up", "down"])
+    dev.set_defaults(func=cmd_dev)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
