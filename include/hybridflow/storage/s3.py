@@ -1,0 +1,332 @@
+"""The :class:`~hybridflow.storage.objectstore.ObjectStore` contract over an S3-compatible endpoint.
+
+Works against AWS S3, MinIO and ``rclone serve s3`` (the dev/CI endpoint). Findings against
+rclone v1.75.2 (``rclone serve s3 --etag-hash MD5``) that shape this module:
+
+* Checksums: botocore >= 1.36 sends CRC32 checksums by default (``when_supported``). rclone accepts
+  them for PutObject, single-part and multipart uploads and returns ``x-amz-checksum-crc32`` on
+  HEAD/GET, so both modes work there. We still default to ``when_required`` because other
+  S3-compatible stores (older MinIO, Ceph RGW, GCS interop) reject the aws-chunked trailer
+  encoding, and staging verifies content itself (ETag/MD5 or SHA-256 of a re-download).
+* Conditional PUT: rclone *accepts* ``If-None-Match: *`` but ignores it -- a second PUT silently
+  overwrites. So :meth:`S3ObjectStore.put_if_absent` always HEADs first (the only protection on
+  rclone) and then sends the conditional PUT, which makes the create atomic on stores that honour
+  it (AWS since 2024, recent MinIO). A store that rejects the header (501/NotImplemented) is
+  remembered and gets plain PUTs.
+* ETags: with ``--etag-hash MD5`` rclone's ETag is the MD5 of the whole stored file, also after
+  a multipart upload and after the file is changed on disk; AWS gives ``<md5>-<parts>`` for
+  multipart objects, which callers must not compare against an MD5.
+* User metadata comes back with capitalised keys (``Sha256``); :meth:`S3ObjectStore.metadata`
+  lower-cases them. rclone keeps it in memory only, so it is a hint, not an integrity check.
+* ``CreateBucket`` on an existing bucket answers ``BucketAlreadyExists`` even to its owner.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from hybridflow.storage.objectstore import ObjectInfo, StoreSpec
+
+_MiB = 1024 * 1024
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_PRECONDITION_FAILED = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+_NOT_SUPPORTED = {"501", "NotImplemented"}
+
+
+def _error_code(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _status(exc: Exception) -> int:
+    response = getattr(exc, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _is_not_found(exc: Exception) -> bool:
+    return _error_code(exc) in _NOT_FOUND or _status(exc) == 404
+
+
+class S3ObjectStore:
+    """An S3 bucket (optionally under ``prefix``) as an object store.
+
+    Each thread gets its own boto3 session and client: sessions are not thread-safe and a
+    worker pool should never contend on one connection pool.
+    """
+
+    list_page_size = 1000  # keys per ListObjectsV2 request (the S3 maximum)
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str = "us-east-1",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 5,
+        checksums: str = "when_required",
+        multipart_threshold: int = 64 * _MiB,
+        multipart_chunksize: int = 16 * _MiB,
+        max_concurrency: int = 4,
+    ) -> None:
+        if not bucket:
+            raise ValueError("S3ObjectStore needs a bucket name")
+        if checksums not in ("when_required", "when_supported"):
+            raise ValueError(f"checksums={checksums!r}; use 'when_required' or 'when_supported'")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url or None
+        self.region = region or "us-east-1"
+        self._access_key = access_key
+        self._secret_key = secret_key
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._max_attempts = max_attempts
+        self._checksums = checksums
+        self._multipart_threshold = multipart_threshold
+        self._multipart_chunksize = multipart_chunksize
+        self._max_concurrency = max_concurrency
+        self._local = threading.local()
+        # None: not known yet; False: the endpoint rejected If-None-Match, send plain PUTs.
+        self._conditional_put: bool | None = None
+
+    @classmethod
+    def from_spec(cls, spec: StoreSpec, **kwargs: Any) -> S3ObjectStore:
+        if spec.kind != "s3":
+            raise ValueError(f"StoreSpec kind {spec.kind!r} is not 's3'")
+        if not spec.bucket:
+            raise ValueError("an s3 StoreSpec needs a bucket")
+        return cls(
+            spec.bucket,
+            prefix=spec.prefix,
+            endpoint_url=spec.endpoint_url,
+            region=spec.region,
+            access_key=spec.access_key,
+            secret_key=spec.secret_key,
+            **kwargs,
+        )
+
+    @property
+    def spec(self) -> StoreSpec:
+        return StoreSpec(
+            kind="s3",
+            bucket=self.bucket,
+            prefix=self.prefix,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key=self._access_key,
+            secret_key=self._secret_key,
+        )
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def __repr__(self) -> str:  # never shows credentials
+        return f"S3ObjectStore({self.uri!r}, endpoint_url={self.endpoint_url!r})"
+
+    # -- clients -------------------------------------------------------------------------------
+
+    @property
+    def client(self):
+        """This thread's boto3 S3 client (created on first use)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._make_client()
+            self._local.client = client
+        return client
+
+    def _make_client(self):
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            region_name=self.region,
+            connect_timeout=self._connect_timeout,
+            read_timeout=self._read_timeout,
+            retries={"max_attempts": self._max_attempts, "mode": "standard"},
+            # Path-style: rclone/MinIO on an IP:port cannot serve virtual-host buckets.
+            s3={"addressing_style": "path"},
+            request_checksum_calculation=self._checksums,
+            response_checksum_validation=self._checksums,
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=self._access_key,
+            aws_secret_access_key=self._secret_key,
+            region_name=self.region,
+        )
+        return session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    @property
+    def transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(
+            multipart_threshold=self._multipart_threshold,
+            multipart_chunksize=self._multipart_chunksize,
+            max_concurrency=self._max_concurrency,
+            use_threads=self._max_concurrency > 1,
+        )
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        key = key.lstrip("/")
+        if not key or ".." in key.split("/"):
+            raise ValueError(f"object key {key!r} is empty or escapes the store prefix {self.uri}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    def _extra_args(self, metadata: dict[str, str] | None) -> dict[str, Any]:
+        return {"Metadata": dict(metadata)} if metadata else {}
+
+    # -- bucket --------------------------------------------------------------------------------
+
+    def ensure_bucket(self) -> bool:
+        """Create the bucket if it is missing. Returns True when this call created it."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+            return False
+        except ClientError as exc:
+            if not _is_not_found(exc):
+                raise
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        try:
+            self.client.create_bucket(**kwargs)
+            return True
+        except ClientError as exc:
+            # Lost a creation race (or rclone's answer for an existing bucket): confirm access.
+            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+            self.client.head_bucket(Bucket=self.bucket)
+            return False
+
+    # -- ObjectStore ---------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None) -> None:
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, **self._extra_args(metadata)
+        )
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        if self.exists(key):
+            return False
+        full = self._key(key)
+        if self._conditional_put is not False:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+                self._conditional_put = True
+                return True
+            except ClientError as exc:
+                code = _error_code(exc)
+                if code in _PRECONDITION_FAILED or _status(exc) == 412:
+                    return False  # someone created it between our HEAD and PUT
+                if code not in _NOT_SUPPORTED and _status(exc) != 501:
+                    raise
+                self._conditional_put = False
+        self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
+        return True
+
+    def put_file(self, key: str, path: Path, *, metadata: dict[str, str] | None = None) -> None:
+        self.client.upload_file(
+            str(path),
+            self.bucket,
+            self._key(key),
+            ExtraArgs=self._extra_args(metadata),
+            Config=self.transfer_config,
+        )
+
+    def put_fileobj(self, key: str, fileobj: IO[bytes], *, metadata: dict[str, str] | None = None) -> None:
+        self.client.upload_fileobj(
+            fileobj,
+            self.bucket,
+            self._key(key),
+            ExtraArgs=self._extra_args(metadata),
+            Config=self.transfer_config,
+        )
+
+    def get_bytes(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
+            raise
+        with response["Body"] as body:
+            return body.read()
+
+    def get_file(self, key: str, path: Path) -> None:
+        from botocore.exceptions import ClientError
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # s3transfer downloads into a temp name and renames, so no half-written file remains.
+            self.client.download_file(self.bucket, self._key(key), str(path), Config=self.transfer_config)
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
+            raise
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and ETag of ``key`` (one HEAD), or None when it does not exist."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _is_not_found(exc):
+                return None
+            raise
+        return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=_clean_etag(head.get("ETag")))
+
+    def metadata(self, key: str) -> dict[str, str]:
+        """User metadata of ``key`` with lower-cased names (rclone capitalises them)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
+            raise
+        return {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}
+
+    def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full_prefix = f"{self.prefix}/{prefix.lstrip('/')}" if self.prefix else prefix.lstrip("/")
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(
+            Bucket=self.bucket, Prefix=full_prefix, PaginationConfig={"PageSize": self.list_page_size}
+        ):
+            for obj in page.get("Contents", []):
+                yield ObjectInfo(
+                    key=self._rel(obj["Key"]), size=int(obj["Size"]), etag=_clean_etag(obj.get("ETag"))
+                )
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+def _clean_etag(etag: str | None) -> str | None:
+    # AWS quotes ETags; rclone's listing does not.
+    return etag.strip('"') if etag else None
