@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.airflow
+
 DAGS = Path(__file__).resolve().parents[2] / "dags"
 DAG_FILES = sorted(p for p in DAGS.glob("*.py") if not p.name.startswith("_"))
 

@@ -99,7 +99,7 @@ def test_private_run_end_to_end(estate):
 
 def test_public_run_stages_data_and_replaces_the_served_version(estate):
     before = _predict(estate["port"], _known_inputs(estate["home"], 1)[0])["version"]
-    proc, record = _demo(estate, {"cluster_preference": "public", "workers": 2, "train_steps": 200})
+    proc, record = _demo(estate, {"cluster_preference": "public", "gpu_type": "H100-80GB", "train_steps": 200})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert record["cluster"] == "cloud-east" and record["location"] == "public"
     assert record["pricing_class"] == "on_demand"
