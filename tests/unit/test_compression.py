@@ -3,46 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridflow.compression import compress_model, load_compressed
-from hybridflow.datasets import parse_split, seed_digits
+from hybridflow.datasets import parse_split
 from hybridflow.errors import CompressionRefused
-from hybridflow.training.model import build_model
-
-
-def _train(dataset: Path, out: Path, steps: int = 300) -> Path:
-    """Plain single-process SGD; enough for >0.9 test accuracy on digits."""
-    x, y = parse_split((dataset / "train.csv").read_bytes())
-    xs, ys = torch.tensor(x), torch.tensor(y)
-    model = build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only fight the other test processes
-    try:
-        for _ in range(steps):
-            idx = torch.randint(0, len(xs), (64,), generator=gen)
-            loss = F.cross_entropy(model(xs[idx]), ys[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    torch.save(model.state_dict(), out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compress")
-    dataset = seed_digits(root).path
-    return _train(dataset, root / "model.pt"), dataset / "test.csv"
 
 
 def test_int8_is_smaller_and_within_the_allowed_drop(trained, tmp_path):

@@ -20,37 +20,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridflow.compression import compress_model, load_compressed
-from hybridflow.datasets import DIGITS_FEATURES, LABEL, parse_split, seed_digits
+from hybridflow.datasets import DIGITS_FEATURES, LABEL, parse_split
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.deploy import deploy, endpoint_status, stop_endpoint
 from hybridflow.training.model import build_model
 
 ENDPOINT = "digits"
-
-
-def _train(dataset: Path, out: Path, steps: int = 300) -> Path:
-    """Plain single-process SGD; enough for >0.9 test accuracy on digits."""
-    x, y = parse_split((dataset / "train.csv").read_bytes())
-    xs, ys = torch.tensor(x), torch.tensor(y)
-    model = build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only fight the other test processes
-    try:
-        for _ in range(steps):
-            idx = torch.randint(0, len(xs), (64,), generator=gen)
-            loss = F.cross_entropy(model(xs[idx]), ys[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    torch.save(model.state_dict(), out)
-    return out
 
 
 def _free_port() -> int:
@@ -98,19 +75,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
-    dataset = seed_digits(root).path
-    model = _train(dataset, root / "model.pt")
-    compress_model(model, dataset / "test.csv", root / "compressed", mode="best", max_accuracy_drop=0.02)
-    frame = pd.read_csv(dataset / "test.csv")
+    model, test_csv = trained
+    compress_model(model, test_csv, root / "compressed", mode="best", max_accuracy_drop=0.02)
+    frame = pd.read_csv(test_csv)
     random_model = root / "random.pt"
     torch.save(build_model().state_dict(), random_model)  # untrained: ~10% accuracy
     garbage = root / "garbage.pt"
     garbage.write_bytes(b"this is not a model" * 10)
     return {
         "root": root,
-        "test_csv": dataset / "test.csv",
+        "test_csv": test_csv,
         "fp32": model,
         "int8": root / "compressed" / "model-int8.pt",
         "random": random_model,
