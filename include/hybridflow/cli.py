@@ -3,6 +3,7 @@
     hybridflow demo            set up and run the training pipeline end to end, print where things are
     hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
     hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
+    hybridflow seed            write the demo dataset into private storage (images, compose init)
 """
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ def cmd_dev(args) -> int:
     return 0
 
 
+def cmd_seed(args) -> int:
+    from hybridflow.datasets import seed_digits
+    from hybridflow.settings import get_settings
+
+    dataset = seed_digits(get_settings().private_root)
+    print(f"dataset {dataset.uri} is in {dataset.path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = sub.add_parser("dev", help="start or stop the embedded object stores and endpoints")
     dev.add_argument("action", choices=["up", "down"])
     dev.set_defaults(func=cmd_dev)
+    seed = sub.add_parser("seed", help="write the demo dataset into private storage (idempotent)")
+    seed.set_defaults(func=cmd_seed)
     args = parser.parse_args(argv)
     return args.func(args)
 

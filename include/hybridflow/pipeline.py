@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridflow.runs import RunIdentity, run_dir
+from hybridflow.runs import RunIdentity, run_dir, write_json_atomic
 from hybridflow.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,10 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
     estate = _estate(settings)
     decision = place(_admitted(run), estate, cluster_usage(estate, settings))
     log.info("Placement decision:\n%s", decision.explain())
-    return {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
+    out = {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
+    # For the run's page in the UI (hybridflow.ui.runs); a re-run replaces it.
+    write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "placement.json", out)
+    return out
 
 
 def cache_store_spec(cluster, prefix: str = ""):
@@ -110,6 +113,7 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
         target_location=cluster.location,
         run_key=run["run_key"],
     )
+    write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "staging.json", result.to_xcom())
     return {
         "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
         "staged": True,

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hybridflow.runs import RunIdentity
+from hybridflow.runs import RunIdentity, write_json_atomic
 
 RECORD_FORMAT = "hybridflow.run-record/v1"
 
@@ -72,13 +70,7 @@ def record_path(private_root: Path, project: str, run_key: str) -> Path:
 
 
 def write_record(private_root: Path, rec: Mapping[str, Any]) -> Path:
-    path = record_path(private_root, rec["project"], rec["run_key"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(rec, fh, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(record_path(private_root, rec["project"], rec["run_key"]), dict(rec))
 
 
 def read_records(private_root: Path, project: str | None = None) -> list[dict]:

@@ -8,7 +8,10 @@ second copy.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,3 +45,17 @@ class RunIdentity:
 def run_dir(private_root: Path, run_key: str) -> Path:
     """The run's artefact folder in private storage (reports, models, record)."""
     return private_root / "runs" / run_key
+
+
+def write_json_atomic(path: Path, body) -> Path:
+    """Write JSON to ``path`` through a temp file and a rename: readers see the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(body, fh, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -11,7 +11,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from hybridflow.runs import RunIdentity, run_dir
+from hybridflow.runs import RunIdentity, run_dir, write_json_atomic
 
 
 class GangTrainOperator(BaseOperator):
@@ -125,10 +125,7 @@ def _read_attempts(path: Path) -> list[dict]:
 
 
 def _write_attempts(path: Path, attempts: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".part")
-    tmp.write_text(json.dumps(attempts, indent=2))
-    tmp.replace(path)
+    write_json_atomic(path, attempts)
 
 
 def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> dict:

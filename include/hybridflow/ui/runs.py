@@ -1,0 +1,246 @@
+"""The training runs in the Airflow UI: a list of run records, and one page per DAG run with its
+placement decision (every candidate and why it won or lost), staging, training attempts,
+checkpoints and artefacts.
+
+Served by the api-server as a plugin FastAPI app (``plugins/hybridflow_ui.py``) under
+``/hybridflow``; the run page is linked from every DAG run of ``hybrid_training`` as the
+*Placement & record* tab. Access follows Airflow's own: the caller needs read access to the DAG's
+runs, checked by the api-server's auth manager with the caller's UI session.
+
+Everything shown is read from the run's folder in private storage, which each step writes as it
+finishes, so the page is useful while the run is still going.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from hybridflow.records import read_records
+from hybridflow.runs import RunIdentity, run_dir
+
+PLACEMENT_FILE = "placement.json"
+ATTEMPTS_FILE = "train-attempts.json"
+EVALUATION_FILE = "evaluation.json"
+STAGING_FILE = "staging.json"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run_view(private_root: Path, dag_id: str, run_id: str) -> dict[str, Any]:
+    """What is known about one DAG run, from its folder and its record (``None`` where absent)."""
+    run_key = RunIdentity(dag_id, run_id).run_key
+    folder = run_dir(private_root, run_key)
+    record = next(
+        (r for r in sorted(private_root.glob(f"records/*/{run_key}.json")) if r.is_file()), None
+    )
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_key": run_key,
+        "folder": str(folder),
+        "exists": folder.is_dir() or record is not None,
+        "placement": _read_json(folder / PLACEMENT_FILE),
+        "staging": _read_json(folder / STAGING_FILE),
+        "attempts": _read_json(folder / ATTEMPTS_FILE) or [],
+        "evaluation": _read_json(folder / EVALUATION_FILE),
+        "record": _read_json(record) if record else None,
+    }
+
+
+# -- HTML ----------------------------------------------------------------------------------------
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 1.2rem; color: #1b1f24; }
+h1 { font-size: 1.3rem; margin: 0 0 .8rem; } h2 { font-size: 1.05rem; margin: 1.4rem 0 .4rem; }
+table { border-collapse: collapse; margin: .3rem 0; } td, th { padding: .25rem .6rem; text-align: left;
+vertical-align: top; border-bottom: 1px solid #d8dee4; } th { background: #f3f5f7; font-weight: 600; }
+.won { background: #e8f6ec; } .lost { color: #57606a; } .muted { color: #57606a; }
+ul { margin: .2rem 0 .2rem 1.1rem; padding: 0; } code { font-size: 12px; }
+"""
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+        f"<style>{_STYLE}</style></head><body>{body}</body></html>"
+    )
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "<span class='muted'>–</span>"
+    if isinstance(value, float):
+        return escape(f"{value:.4g}")
+    return escape(str(value))
+
+
+def _kv_table(rows: list[tuple[str, Any]]) -> str:
+    return "<table>" + "".join(f"<tr><th>{escape(k)}</th><td>{_cell(v)}</td></tr>" for k, v in rows) + "</table>"
+
+
+def _reasons(reasons: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{escape(r)}</li>" for r in reasons) + "</ul>" if reasons else ""
+
+
+def render_placement(placement: dict | None) -> str:
+    if not placement:
+        return "<p class='muted'>choose_cluster has not finished for this run yet.</p>"
+    head = (
+        f"<p><b>{escape(placement['cluster'])}</b> / {escape(placement['node_pool'])} "
+        f"({escape(placement['location'])}, {escape(placement['pricing_class'])} at "
+        f"{placement['price_per_gpu_hour']:.2f} USD/GPU-hour) for {placement['gpus']} x "
+        f"{escape(placement['gpu_model'])}</p>{_reasons(placement.get('reasons', []))}"
+    )
+    rows = []
+    for c in placement.get("candidates", []):
+        css = "won" if c.get("cluster") == placement["cluster"] else "lost"
+        verdict = "chosen" if css == "won" else ("eligible" if c.get("eligible") else "ineligible")
+        rows.append(
+            f"<tr class='{css}'><td>{_cell(c.get('cluster'))}</td><td>{_cell(c.get('location'))}</td>"
+            f"<td>{verdict}</td><td>{_cell(c.get('node_pool'))}</td><td>{_cell(c.get('pricing_class'))}</td>"
+            f"<td>{_cell(c.get('price_per_gpu_hour'))}</td><td>{_cell(c.get('load'))}</td>"
+            f"<td>{_reasons(c.get('reasons', []))}</td></tr>"
+        )
+    table = (
+        "<table><tr><th>cluster</th><th>location</th><th>verdict</th><th>node pool</th><th>pricing</th>"
+        "<th>USD/GPU-h</th><th>load</th><th>why</th></tr>" + "".join(rows) + "</table>"
+    )
+    return head + table
+
+
+def render_run(view: dict[str, Any]) -> str:
+    title = f"{view['dag_id']} / {view['run_id']}"
+    parts = [f"<h1>{escape(title)}</h1>"]
+    if not view["exists"]:
+        parts.append(
+            "<p class='muted'>Nothing is recorded for this run: admit refused it or it has not started. "
+            "The admit task's log says why.</p>"
+        )
+        return _page(title, "".join(parts))
+    rec = view["record"] or {}
+    parts.append("<h2>Placement</h2>" + render_placement(view["placement"]))
+    staging = view["staging"] or rec.get("staging")
+    parts.append("<h2>Staging</h2>")
+    if staging:
+        parts.append(
+            _kv_table(
+                [
+                    ("store", staging.get("store_uri")),
+                    ("dataset version", staging.get("version")),
+                    ("objects copied / total", f"{staging.get('objects_copied')} / {staging.get('objects_total')}"),
+                    ("bytes copied", staging.get("bytes_copied")),
+                    ("seconds", staging.get("seconds")),
+                ]
+            )
+        )
+    else:
+        parts.append("<p class='muted'>Nothing staged (private cluster, or stage_data has not run).</p>")
+    parts.append("<h2>Training attempts</h2>")
+    if view["attempts"]:
+        rows = "".join(
+            f"<tr><td>{_cell(a.get('try_number'))}</td><td>{_cell(a.get('cluster'))}</td>"
+            f"<td>{_cell(a.get('workers'))}</td><td>{_cell(a.get('started_at'))}</td>"
+            f"<td>{_cell(a.get('seconds'))}</td><td>{_cell(a.get('outcome'))}</td></tr>"
+            for a in view["attempts"]
+        )
+        parts.append(
+            "<table><tr><th>try</th><th>cluster</th><th>GPUs</th><th>started</th><th>seconds</th>"
+            f"<th>outcome</th></tr>{rows}</table>"
+        )
+    else:
+        parts.append("<p class='muted'>The train task has not started.</p>")
+    parts.append("<h2>Record</h2>")
+    if rec:
+        ckpt = rec.get("checkpoints") or {}
+        parts.append(
+            _kv_table(
+                [
+                    ("project / team", f"{rec.get('project')} / {rec.get('team')}"),
+                    ("triggered by", rec.get("triggered_by")),
+                    ("GPUs x type", f"{rec.get('workers')} x {rec.get('gpu_type')}"),
+                    ("GPU-hours", rec.get("gpu_hours")),
+                    ("checkpoints", f"{ckpt.get('count')} written, resumed from step {ckpt.get('resumed_from_step')}, "
+                                    f"final step {ckpt.get('final_step')}"),
+                    ("accuracy", rec.get("accuracy")),
+                    ("compressed as", (rec.get("compression") or {}).get("selected")),
+                    ("endpoint", rec.get("endpoint")),
+                    ("model version", rec.get("model_version")),
+                    *((f"artefact: {k}", v) for k, v in (rec.get("artefacts") or {}).items()),
+                ]
+            )
+        )
+    else:
+        evaluation = view["evaluation"] or {}
+        parts.append(
+            "<p class='muted'>The record step has not run yet"
+            + (f"; held-out accuracy so far {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else "")
+            + ".</p>"
+        )
+    parts.append(f"<p class='muted'>Run folder: <code>{escape(view['folder'])}</code></p>")
+    return _page(title, "".join(parts))
+
+
+def render_run_list(records: list[dict]) -> str:
+    records = sorted(records, key=lambda r: r.get("recorded_at") or "", reverse=True)
+    rows = "".join(
+        f"<tr><td><a href='runs/{escape(r['dag_id'])}/{escape(r['run_id'])}'>{escape(r['run_id'])}</a></td>"
+        f"<td>{_cell(r.get('project'))}</td><td>{_cell(r.get('team'))}</td><td>{_cell(r.get('cluster'))}</td>"
+        f"<td>{_cell(r.get('pricing_class'))}</td><td>{_cell(r.get('workers'))}</td>"
+        f"<td>{_cell(r.get('gpu_hours'))}</td><td>{_cell(r.get('accuracy'))}</td>"
+        f"<td>{_cell(r.get('recorded_at'))}</td></tr>"
+        for r in records
+    )
+    body = (
+        "<h1>Training runs</h1>"
+        + (
+            "<table><tr><th>run</th><th>project</th><th>team</th><th>cluster</th><th>pricing</th>"
+            f"<th>GPUs</th><th>GPU-hours</th><th>accuracy</th><th>recorded</th></tr>{rows}</table>"
+            if records
+            else "<p class='muted'>No run has been recorded yet.</p>"
+        )
+    )
+    return _page("Training runs", body)
+
+
+# -- FastAPI -------------------------------------------------------------------------------------
+def create_app(private_root: Path | None = None, *, authorize: bool = True):
+    """The plugin app. ``authorize=False`` only for tests that call it without an api-server."""
+    from fastapi import Depends, FastAPI
+    from fastapi.responses import HTMLResponse
+
+    from hybridflow.settings import get_settings
+
+    def root() -> Path:
+        return private_root or get_settings().private_root
+
+    dag_access: list = []
+    list_access: list = []
+    if authorize:
+        from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+        from airflow.api_fastapi.core_api.security import requires_access_dag
+
+        dag_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
+        list_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id="hybrid_training"))]
+
+    app = FastAPI(title="hybridflow runs", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/runs", response_class=HTMLResponse, dependencies=list_access)
+    def runs_page() -> str:
+        return render_run_list(read_records(root()))
+
+    @app.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=dag_access)
+    def run_page(dag_id: str, run_id: str) -> str:
+        return render_run(run_view(root(), dag_id, run_id))
+
+    @app.get("/api/runs/{dag_id}/{run_id:path}", dependencies=dag_access)
+    def run_json(dag_id: str, run_id: str) -> dict:
+        return run_view(root(), dag_id, run_id)
+
+    return app

@@ -1,0 +1,100 @@
+"""The runs pages in the Airflow UI: what an operator sees for a run, and that Airflow guards them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hybridflow import pipeline
+from hybridflow.records import write_record
+from hybridflow.runs import RunIdentity, run_dir
+from hybridflow.settings import REPO_ROOT, Settings
+from hybridflow.ui.runs import create_app
+
+RUN_ID = "manual__2026-12-03T10:00:00+00:00"
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    folder = tmp_path / "private" / "datasets" / "digits"
+    folder.mkdir(parents=True)
+    (folder / "train.csv").write_text("pixel_0,label\n0,1\n")
+    (folder / "test.csv").write_text("pixel_0,label\n0,1\n")
+    return Settings(home=tmp_path, config_dir=REPO_ROOT / "config")
+
+
+@pytest.fixture
+def client(settings: Settings) -> TestClient:
+    return TestClient(create_app(settings.private_root, authorize=False))
+
+
+def _placed_run(settings: Settings, params: dict) -> dict:
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    run = pipeline.admit(params, identity, settings)
+    return pipeline.choose_cluster(run, settings)
+
+
+def test_run_page_shows_the_winner_and_why_each_other_cluster_lost(settings, client):
+    placement = _placed_run(settings, {"gpu_type": "H100-80GB"})
+    assert placement["cluster"] == "cloud-east"
+    page = client.get(f"/runs/hybrid_training/{RUN_ID}")
+    assert page.status_code == 200
+    html = page.text
+    assert "<b>cloud-east</b> / h100-on-demand" in html
+    assert "class='won'><td>cloud-east" in html
+    # The private cluster lost for a reason the operator can read.
+    assert "class='lost'><td>onprem-a" in html and "offers no H100-80GB GPUs" in html
+    assert "The train task has not started." in html and "The record step has not run yet" in html
+
+
+def test_run_page_after_the_record_shows_attempts_and_artefacts(settings, client):
+    _placed_run(settings, {})
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    folder = run_dir(settings.private_root, identity.run_key)
+    attempts = [
+        {"try_number": 1, "cluster": "onprem-a", "workers": 2, "started_at": "t1", "seconds": 3.5, "outcome": "failed"},
+        {"try_number": 2, "cluster": "onprem-a", "workers": 2, "started_at": "t2", "seconds": 9.1, "outcome": "succeeded"},
+    ]
+    (folder / "train-attempts.json").write_text(json.dumps(attempts))
+    write_record(
+        settings.private_root,
+        {
+            "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
+            "team": "perception", "workers": 2, "gpu_type": "A100-80GB", "gpu_hours": 0.00702,
+            "checkpoints": {"count": 6, "resumed_from_step": 100, "final_step": 300}, "accuracy": 0.9611,
+            "artefacts": {"model": "/p/model.pt"}, "recorded_at": "2026-12-03T10:05:00+00:00",
+        },
+    )
+    html = client.get(f"/runs/hybrid_training/{RUN_ID}").text
+    assert "<td>failed</td>" in html and "<td>succeeded</td>" in html
+    assert "6 written, resumed from step 100, final step 300" in html
+    assert "/p/model.pt" in html and "0.9611" in html
+    listing = client.get("/runs").text
+    assert f"href='runs/hybrid_training/{RUN_ID}'" in listing and "digits-ocr" in listing
+    body = client.get(f"/api/runs/hybrid_training/{RUN_ID}").json()
+    assert body["placement"]["cluster"] == "onprem-a" and body["record"]["gpu_hours"] == 0.00702
+
+
+def test_unknown_run_says_so_and_markup_in_names_is_escaped(client):
+    html = client.get("/runs/hybrid_training/<script>alert(1)</script>").text
+    assert "<script>alert(1)" not in html and "&lt;script&gt;" in html
+    assert "admit refused it or it has not started" in html
+
+
+@pytest.mark.airflow
+def test_plugin_is_loaded_by_airflow_and_its_pages_need_a_signed_in_user():
+    from airflow import plugins_manager
+    from airflow.api_fastapi.app import create_app as create_api_server
+
+    plugins, _ = plugins_manager._get_plugins()
+    ours = [p for p in plugins if p.name == "hybridflow_ui"]
+    assert ours, "plugins/hybridflow_ui.py was not loaded"
+    views = {v["url_route"]: v for v in ours[0].external_views}
+    assert views["hybridflow-run"]["destination"] == "dag_run"
+    assert views["hybridflow-run"]["href"] == "/hybridflow/runs/{DAG_ID}/{RUN_ID}"
+    api = TestClient(create_api_server(apps="core"))
+    assert api.get("/hybridflow/runs").status_code == 401
+    assert api.get(f"/hybridflow/runs/hybrid_training/{RUN_ID}").status_code == 401
