@@ -4,6 +4,8 @@
     hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
     hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
     hybridflow seed            write the demo dataset into private storage (images, compose init)
+    hybridflow cache versions|prune --cluster C --dataset D
+                               list a cloud cache's dataset versions, or prune the old ones
 """
 
 from __future__ import annotations
@@ -112,6 +114,52 @@ def cmd_seed(args) -> int:
     return 0
 
 
+def _cache_store(cluster_name: str):
+    from hybridflow.config import load_estate
+    from hybridflow.hooks.object_store import ObjectStoreHook
+    from hybridflow.settings import get_settings
+
+    estate = load_estate(get_settings().config_dir)
+    cluster = estate.clusters.get(cluster_name)
+    if cluster is None or cluster.cache is None:
+        with_cache = ", ".join(n for n, c in estate.clusters.items() if c.cache) or "none"
+        raise SystemExit(f"--cluster {cluster_name!r} has no cloud cache; clusters with one: {with_cache}")
+    try:
+        return ObjectStoreHook(cluster.cache.conn_id).get_store(cluster.cache.bucket), estate
+    except Exception as exc:  # noqa: BLE001 - the connection lookup's own error says which id
+        raise SystemExit(
+            f"cannot open the cache of {cluster_name} through connection {cluster.cache.conn_id!r}: {exc}. "
+            "On the embedded default run `source var/dev/airflow.env` first."
+        ) from exc
+
+
+def cmd_cache(args) -> int:
+    from datetime import datetime
+
+    from hybridflow.cache import list_versions, prune_versions
+
+    store, estate = _cache_store(args.cluster)
+    if args.action == "versions":
+        for v in list_versions(store, args.dataset):
+            when = datetime.fromtimestamp(v.created_at).isoformat(timespec="seconds")
+            print(f"{v.version}  {when}  {v.files:>7} files  {v.bytes:>14} bytes  by {v.created_by}")
+        return 0
+    keep = args.keep if args.keep is not None else estate.pipeline.staging.keep_versions
+    try:
+        report = prune_versions(
+            store, args.dataset, keep=keep, dry_run=args.dry_run,
+            protect_s=args.protect_hours * 3600.0, min_blob_age_s=args.protect_hours * 3600.0,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--keep: {exc}") from exc
+    verb = "would delete" if report.dry_run else "deleted"
+    print(
+        f"kept {len(report.kept)} versions; {verb} {len(report.versions_deleted)} versions and "
+        f"{report.blobs_deleted} blobs ({report.bytes_freed} bytes)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     dev.set_defaults(func=cmd_dev)
     seed = sub.add_parser("seed", help="write the demo dataset into private storage (idempotent)")
     seed.set_defaults(func=cmd_seed)
+    cache = sub.add_parser("cache", help="a cloud cache's dataset versions; pruning old ones")
+    cache.add_argument("action", choices=["versions", "prune"])
+    cache.add_argument("--cluster", required=True, help="a cluster with a cache in config/clusters.yaml")
+    cache.add_argument("--dataset", required=True, help="dataset name, e.g. digits")
+    cache.add_argument("--keep", type=int, help="versions to keep (at least 3; default staging.keep_versions)")
+    cache.add_argument("--protect-hours", type=float, default=24.0,
+                       help="never delete versions or blobs younger than this (default 24)")
+    cache.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    cache.set_defaults(func=cmd_cache)
     args = parser.parse_args(argv)
     return args.func(args)
 

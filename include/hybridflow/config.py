@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridflow.errors import ConfigError
 
@@ -157,6 +157,34 @@ class ServingSettings(_Model):
     smoke_min_accuracy: float = Field(default=0.85, ge=0, le=1)
 
 
+class StagingConfig(_Model):
+    """How stage_data copies datasets into cloud caches (pipeline.yaml ``staging``)."""
+
+    workers: int = Field(default=16, ge=1, le=256)  # requests in flight
+    part_size_mib: int = Field(default=16, ge=5, le=5120)  # S3 parts are 5 MiB..5 GiB
+    multipart_threshold_mib: int = Field(default=64, ge=5)
+    pack_small_files: Literal["auto", "always", "never"] = "auto"
+    pack_below_kib: int = Field(default=1024, ge=1)  # files smaller than this may go into shards
+    pack_min_files: int = Field(default=256, ge=1)  # auto packs only datasets with this many small files
+    shard_target_mib: int = Field(default=32, ge=1)
+    shard_max_mib: int = Field(default=64, ge=1)
+    sha256_header: bool = True  # send x-amz-checksum-sha256 too (verified by AWS and MinIO)
+    progress_every_s: float = Field(default=10.0, gt=0)
+    abandoned_upload_age_h: float = Field(default=24.0, gt=0)
+    keep_versions: int = Field(default=3, ge=3)  # what `hybridflow cache prune` keeps by default
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> StagingConfig:
+        if self.shard_target_mib > self.shard_max_mib:
+            raise ValueError(f"shard_target_mib {self.shard_target_mib} is above shard_max_mib {self.shard_max_mib}")
+        if self.shard_max_mib > self.multipart_threshold_mib:
+            raise ValueError(
+                f"shard_max_mib {self.shard_max_mib} is above multipart_threshold_mib "
+                f"{self.multipart_threshold_mib}: a shard goes up in one request; lower shard_max_mib"
+            )
+        return self
+
+
 class PlacementSettings(_Model):
     # Share of private GPUs in use at which auto runs go to public clusters instead.
     spill_threshold: float = Field(default=0.7, ge=0, le=1)
@@ -169,6 +197,7 @@ class PipelineConfig(_Model):
     data: DataSettings = DataSettings()
     serving: ServingSettings = ServingSettings()
     placement: PlacementSettings = PlacementSettings()
+    staging: StagingConfig = StagingConfig()
 
 
 # --- the estate ------------------------------------------------------------------------------------

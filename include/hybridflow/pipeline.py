@@ -94,14 +94,15 @@ def cache_store_spec(cluster, prefix: str = ""):
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
     """Private cluster: train where the data lives. Public cluster: copy it to the cluster's cache."""
     from hybridflow.datasets import resolve_dataset
-    from hybridflow.staging import stage_dataset
+    from hybridflow.staging import StagingSettings, index_path_for, stage_dataset
     from hybridflow.storage.objectstore import open_store
 
     settings = settings or get_settings()
     started = time.monotonic()
     admitted = _admitted(run)
     dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
-    cluster = _estate(settings).clusters[placement["cluster"]]
+    estate = _estate(settings)
+    cluster = estate.clusters[placement["cluster"]]
     if cluster.location == "private":
         log.info("Cluster %s is private: the data is already there, nothing to stage.", placement["cluster"])
         return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False, "seconds": 0.0}
@@ -112,6 +113,9 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
         sensitivity=admitted.request.sensitivity,
         target_location=cluster.location,
         run_key=run["run_key"],
+        settings=StagingSettings.from_config(estate.pipeline.staging),
+        index_path=index_path_for(settings.state_dir, str(dataset.path.resolve())),
+        log=log,
     )
     write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "staging.json", result.to_xcom())
     return {

@@ -47,13 +47,16 @@ def run_dir(private_root: Path, run_key: str) -> Path:
     return private_root / "runs" / run_key
 
 
-def write_json_atomic(path: Path, body) -> Path:
+def write_json_atomic(path: Path, body, *, compact: bool = False) -> Path:
     """Write JSON to ``path`` through a temp file and a rename: readers see the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(body, fh, indent=2, sort_keys=True)
+            if compact:
+                json.dump(body, fh, separators=(",", ":"))
+            else:
+                json.dump(body, fh, indent=2, sort_keys=True)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

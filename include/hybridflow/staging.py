@@ -1,37 +1,89 @@
-"""Stage a dataset from private storage into a cluster's object store.
+"""Stage a dataset from private storage into a cluster's cloud cache.
 
 Layout in the target store (see :mod:`hybridflow.storage.manifest`)::
 
-    datasets/<name>/blobs/<sha256>            one object per distinct file content
-    datasets/<name>/versions/<version>.json   the manifest, written last and create-only
+    datasets/<name>/blobs/<ab>/<sha256>        one object per distinct file (or shard of small files)
+    datasets/<name>/versions/<version>.json    the manifest, written last and create-only
 
-Staging is resumable and idempotent: blobs already present with the right size and content are
-not copied again, so re-running an unchanged stage uploads zero bytes, and a run that dies
-half-way leaves no manifest, so no reader ever sees a partial version.
+How a stage runs:
+
+1. the sovereignty guard: restricted data never starts towards a public store;
+2. the source is listed once; digests of unchanged files come from the hash index, so only new or
+   changed files are read;
+3. the target's blobs are listed once (in parallel over the 256 fan-out prefixes for big
+   datasets); a blob is reused when its size and listed ETag match what was verified when it was
+   uploaded, so an unchanged dataset costs no per-object request and no object bytes, and a
+   corrupted cached blob is noticed and re-copied;
+4. what is missing or bad is uploaded in parallel with per-request checksums (see
+   :mod:`hybridflow.storage.transfer`), big files in resumable multipart uploads;
+5. the manifest is created last (create-only), so no reader ever sees a partial version.
+
+Staging only adds: it never deletes from the cache, so earlier versions stay readable; pruning
+old versions is the separate, explicit :func:`hybridflow.cache.prune_versions`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hybridflow.datasets import DatasetRef
 from hybridflow.errors import SovereigntyError, StagingError
-from hybridflow.storage.manifest import DatasetManifest, ManifestEntry
+from hybridflow.storage.hashindex import HashIndex, ShardDigest
+from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
 from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
+from hybridflow.storage.shards import Member, ShardPlan, build_shard, plan_shards, shard_offsets
+from hybridflow.storage.sources import DatasetSource, LocalFolderSource, SourceFile
+from hybridflow.storage.transfer import TransferProgress, TransferSettings, Uploaded, Uploader, UploadItem
 
 logger = logging.getLogger(__name__)
 
 LOCATIONS = ("private", "public")
-# Objects up to this size are re-downloaded to verify their SHA-256 when the store offers no
-# usable MD5 ETag; bigger ones rely on the ETag or the sha256 metadata.
-VERIFY_DOWNLOAD_MAX = 32 * 1024 * 1024
-_CHUNK = 1024 * 1024
+_MiB = 1024 * 1024
+# A blob the listing cannot vouch for (no usable ETag recorded) is re-read to check its SHA-256.
+VERIFY_DOWNLOAD_MAX = 256 * _MiB
+
+
+@dataclass(frozen=True)
+class StagingSettings:
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    pack: Literal["auto", "always", "never"] = "auto"
+    pack_below: int = 1 * _MiB  # files smaller than this may be packed into shards
+    pack_min_files: int = 256  # "auto" packs only datasets with at least this many small files
+    shard_target: int = 32 * _MiB
+    shard_max: int = 64 * _MiB
+    hash_workers: int = 2
+    list_workers: int = 8
+    fanout_list_min_blobs: int = 2000  # from this many blobs on, list fan-out prefixes in parallel
+
+    @classmethod
+    def from_config(cls, cfg) -> StagingSettings:
+        """From pipeline.yaml's ``staging`` section (:class:`hybridflow.config.StagingConfig`)."""
+        return cls(
+            transfer=TransferSettings(
+                workers=cfg.workers,
+                multipart_threshold=cfg.multipart_threshold_mib * _MiB,
+                part_size=cfg.part_size_mib * _MiB,
+                sha256_header=cfg.sha256_header,
+                progress_every_s=cfg.progress_every_s,
+                abandoned_upload_age_s=cfg.abandoned_upload_age_h * 3600.0,
+            ),
+            pack=cfg.pack_small_files,
+            pack_below=cfg.pack_below_kib * 1024,
+            pack_min_files=cfg.pack_min_files,
+            shard_target=cfg.shard_target_mib * _MiB,
+            shard_max=cfg.shard_max_mib * _MiB,
+        )
+
+    def __post_init__(self) -> None:
+        if self.shard_max > self.transfer.multipart_threshold:
+            raise ValueError("staging shard_max must not exceed the multipart threshold (a shard goes up in one request)")
 
 
 @dataclass(frozen=True)
@@ -40,10 +92,17 @@ class StagingResult:
     version: str
     manifest_key: str
     store_uri: str
-    objects_total: int
-    objects_copied: int
-    bytes_copied: int  # blob bytes uploaded by this run (the manifest is not counted)
+    objects_total: int  # files in the dataset version
+    objects_copied: int  # blobs uploaded by this run (files or shards; the manifest is not counted)
+    bytes_copied: int  # blob bytes uploaded by this run
     seconds: float
+    blobs_total: int = 0
+    files_packed: int = 0  # files stored inside shards
+    shards: int = 0
+    repaired: int = 0  # cached blobs found corrupt and copied again
+    resumed_parts: int = 0  # multipart parts an interrupted earlier run had already sent
+    files_read: int = 0  # files hashed by this run (the others' digests came from the index)
+    manifest_created: bool = True
 
     def to_xcom(self) -> dict[str, Any]:
         body = asdict(self)
@@ -51,21 +110,20 @@ class StagingResult:
         return body
 
 
-@dataclass(frozen=True)
-class _LocalFile:
-    path: Path
-    rel: str
-    size: int
-    sha256: str
-    md5: str
-
-
 def blob_prefix(dataset: str) -> str:
     return f"datasets/{dataset}/blobs/"
 
 
+def blob_key(dataset: str, sha256: str) -> str:
+    return f"{blob_prefix(dataset)}{sha256[:2]}/{sha256}"
+
+
+def versions_prefix(dataset: str) -> str:
+    return f"datasets/{dataset}/versions/"
+
+
 def manifest_key_for(dataset: str, version: str) -> str:
-    return f"datasets/{dataset}/versions/{version}.json"
+    return f"{versions_prefix(dataset)}{version}.json"
 
 
 def check_sovereignty(sensitivity: str, target_location: str, dataset: str = "") -> None:
@@ -80,66 +138,6 @@ def check_sovereignty(sensitivity: str, target_location: str, dataset: str = "")
             f"{what} is restricted and the target store is {target_location}: restricted data never "
             "leaves private storage; choose a private cluster (location: private) for this run"
         )
-
-
-def hash_file(path: Path) -> tuple[int, str, str]:
-    """(size, sha256, md5) of ``path`` in one streaming pass. MD5 only to compare with S3 ETags."""
-    sha, md5, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            sha.update(chunk)
-            md5.update(chunk)
-            size += len(chunk)
-    return size, sha.hexdigest(), md5.hexdigest()
-
-
-def _scan(folder: Path) -> list[_LocalFile]:
-    files = []
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder).as_posix()
-        # Dot-files and *.part are in-flight writes (see seed_digits), not dataset content.
-        if not path.is_file() or any(p.startswith(".") for p in rel.split("/")) or path.suffix == ".part":
-            continue
-        before = path.stat().st_size
-        size, sha, md5 = hash_file(path)
-        if size != before:
-            raise StagingError(f"{path} changed while it was being hashed; stop writers and re-run staging")
-        files.append(_LocalFile(path=path, rel=rel, size=size, sha256=sha, md5=md5))
-    return files
-
-
-def _is_md5(etag: str) -> bool:
-    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag)
-
-
-def _sha256_of_object(store: ObjectStore, key: str, size: int) -> str:
-    if size <= VERIFY_DOWNLOAD_MAX:
-        return hashlib.sha256(store.get_bytes(key)).hexdigest()
-    with tempfile.TemporaryDirectory(prefix="hf-verify-") as tmp:
-        path = Path(tmp) / "blob"
-        store.get_file(key, path)
-        return hash_file(path)[1]
-
-
-def _blob_problem(store: ObjectStore, key: str, want: _LocalFile, info: ObjectInfo | None) -> str | None:
-    """Why the stored blob is unusable, or None when it holds exactly ``want``'s bytes."""
-    if info is None:
-        return "missing"
-    if info.size != want.size:
-        return f"size {info.size} bytes, expected {want.size}"
-    etag = (info.etag or "").strip('"').lower()
-    if _is_md5(etag) and etag == want.md5:
-        return None  # a single-part (or rclone) ETag is the MD5 of the stored bytes
-    # No ETag (local folder), a multipart ETag, or an MD5 mismatch (corruption, or SSE-KMS whose
-    # ETag is not the MD5): settle it with the SHA-256.
-    if (_is_md5(etag) and etag != want.md5) or info.size <= VERIFY_DOWNLOAD_MAX:
-        return None if _sha256_of_object(store, key, info.size) == want.sha256 else "content differs (sha256)"
-    metadata = getattr(store, "metadata", None)
-    if metadata is not None:
-        recorded = metadata(key).get("sha256")
-        if recorded and recorded != want.sha256:
-            return "sha256 metadata differs"
-    return None
 
 
 def read_manifest(store: ObjectStore, manifest_key: str) -> DatasetManifest:
@@ -157,116 +155,332 @@ def read_manifest(store: ObjectStore, manifest_key: str) -> DatasetManifest:
         ) from exc
 
 
+def list_blobs(store: ObjectStore, dataset: str, expected: int, settings: StagingSettings) -> dict[str, ObjectInfo]:
+    """Every blob of ``dataset`` in ``store``, in one listing (many in parallel for big datasets:
+    a fan-out prefix each, which also keeps each store directory small)."""
+    prefix = blob_prefix(dataset)
+    if expected < settings.fanout_list_min_blobs or not hasattr(store, "client"):
+        return {i.key: i for i in store.list(prefix)}
+    # About one full page (1000 keys) per request: 16 listings by first hex digit for mid-sized
+    # datasets, 256 (one per fan-out folder) for big ones.
+    width = 1 if expected < 64 * settings.fanout_list_min_blobs else 2
+    prefixes = [f"{prefix}{i:0{width}x}" for i in range(16**width)]
+    found: dict[str, ObjectInfo] = {}
+    with ThreadPoolExecutor(max_workers=settings.list_workers, thread_name_prefix="list") as pool:
+        for infos in pool.map(lambda p: list(store.list(p)), prefixes):
+            found.update((i.key, i) for i in infos)
+    return found
+
+
+def _is_md5(etag: str) -> bool:
+    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag)
+
+
+@dataclass
+class _Blob:
+    """A blob this version needs: a file of its own, or a shard whose digest is known."""
+
+    key: str
+    size: int
+    sha256: str
+    md5: str | None
+    file: SourceFile | None = None
+    shard: ShardPlan | None = None
+
+
+class _Stager:
+    def __init__(self, source: DatasetSource, target: ObjectStore, settings: StagingSettings, log: Any,
+                 index: HashIndex) -> None:
+        self.source, self.target, self.settings, self.log, self.index = source, target, settings, log, index
+        self.name = source.name
+        self._previous: DatasetManifest | None | bool = False  # False: not looked up yet
+
+    # -- what was verified before ------------------------------------------------------------------
+    def previous_manifest(self) -> DatasetManifest | None:
+        """The newest committed manifest of this dataset in the target (read at most once)."""
+        if self._previous is False:
+            versions = sorted(self.target.list(versions_prefix(self.name)), key=lambda i: i.last_modified or 0)
+            self._previous = None
+            for info in reversed(versions):
+                try:
+                    self._previous = read_manifest(self.target, info.key)
+                    break
+                except StagingError as exc:
+                    self.log.warning("ignoring %s", exc)
+        return self._previous or None
+
+    def shard_digest(self, plan: ShardPlan) -> ShardDigest | None:
+        known = self.index.shard(plan.members_digest)
+        if known is None and (prev := self.previous_manifest()) is not None:
+            for b in prev.blobs:
+                if b.members_digest == plan.members_digest:
+                    known = ShardDigest(size=b.size, sha256=b.sha256, md5=None)
+                    self.index.record_shard(plan.members_digest, known)
+                    break
+        return known
+
+    def recorded_etag(self, key: str, recorded: dict[str, str]) -> str | None:
+        if key in recorded:
+            return recorded[key]
+        prev = self.previous_manifest()
+        if prev is not None:
+            for b in prev.blobs:
+                if b.etag:
+                    recorded.setdefault(b.key, b.etag)
+        return recorded.get(key)
+
+    # -- checks ------------------------------------------------------------------------------------
+    def problem(self, blob: _Blob, info: ObjectInfo | None, recorded: dict[str, str]) -> str | None:
+        """Why the stored blob is unusable, or None when it holds exactly the wanted bytes."""
+        if info is None:
+            return "missing"
+        if info.size != blob.size:
+            return f"size {info.size} bytes, expected {blob.size}"
+        etag = (info.etag or "").strip('"').lower()
+        if etag and blob.md5 and _is_md5(etag):
+            return None if etag == blob.md5 else "content differs (MD5)"
+        known = self.recorded_etag(blob.key, recorded)
+        if etag and known:
+            return None if etag == known.lower() else f"ETag {etag} differs from {known} recorded at upload"
+        # Nothing to compare with (a folder store, or a multipart blob from another machine):
+        # settle it with the SHA-256 of the stored bytes.
+        if info.size > VERIFY_DOWNLOAD_MAX and etag:
+            self.log.warning("blob %s: no recorded ETag to check; trusting its size", blob.key)
+            return None
+        return None if self._stored_sha256(blob.key, info.size) == blob.sha256 else "content differs (SHA-256)"
+
+    def _stored_sha256(self, key: str, size: int) -> str:
+        sha = hashlib.sha256()
+        step = 16 * _MiB
+        for start in range(0, size, step):
+            sha.update(self.target.get_range(key, start, min(step, size - start)))
+        return sha.hexdigest()
+
+    def stored(self, existing: dict[str, ObjectInfo], recorded: dict[str, str]):
+        """For built shards: the ETag if ``key`` is already stored with these bytes."""
+
+        def check(key: str, sha256: str, md5: str) -> str | None:
+            info = existing.get(key)
+            if info is None:
+                return None
+            blob = _Blob(key=key, size=info.size, sha256=sha256, md5=md5)
+            return (info.etag or md5) if self.problem(blob, info, recorded) is None else None
+
+        return check
+
+
+def index_path_for(state_dir: Path, source_uri: str) -> Path:
+    """Where the hash index of one source lives in the platform's state folder."""
+    return Path(state_dir) / "staging-index" / f"{hashlib.sha256(source_uri.encode()).hexdigest()[:24]}.json"
+
+
 def stage_dataset(
-    dataset: DatasetRef,
+    dataset: DatasetRef | DatasetSource,
     target: ObjectStore,
     *,
     sensitivity: str,
     target_location: str,
     run_key: str,
+    settings: StagingSettings | None = None,
+    index_path: Path | None = None,
     log: Any = logger,
 ) -> StagingResult:
-    """Copy ``dataset`` into ``target`` as content-addressed blobs plus a manifest written last."""
+    """Copy ``dataset`` into ``target`` as content-addressed blobs plus a manifest written last.
+
+    ``index_path`` keeps file digests between runs (see :class:`HashIndex`); without it every
+    file is read again.
+    """
     # Before anything touches the target: restricted data must not even start to move.
     check_sovereignty(sensitivity, target_location, dataset.name)
+    settings = settings or StagingSettings()
     started = time.monotonic()
-    name = dataset.name
-
-    files = _scan(dataset.path)
+    source = (
+        LocalFolderSource(dataset.path, name=dataset.name, uri=dataset.uri) if isinstance(dataset, DatasetRef) else dataset
+    )
+    name = source.name
+    index = HashIndex(index_path)
+    tuning = settings.transfer
+    files = source.scan(index, md5_max_size=tuning.multipart_threshold, workers=settings.hash_workers)
     if not files:
-        raise StagingError(f"dataset folder {dataset.path} ({dataset.uri}) holds no files; nothing to stage")
-    entries = tuple(
-        ManifestEntry(path=f.rel, key=f"{blob_prefix(name)}{f.sha256}", size=f.size, sha256=f.sha256)
-        for f in files
-    )
-    manifest = DatasetManifest(
-        dataset=name, entries=entries, source_uri=dataset.uri, sensitivity=sensitivity, created_by=run_key
-    )
-    version = manifest.version
-    manifest_key = manifest_key_for(name, version)
+        raise StagingError(f"dataset {source.uri} holds no files; nothing to stage")
     log.info(
-        "staging %s version %s (%d files, %d bytes) to %s for run %s",
-        name,
-        version,
-        len(files),
-        manifest.total_bytes,
-        target.uri,
-        run_key,
+        "scanned %s: %d files, %d bytes (%d digests reused, %d files read)",
+        source.uri, len(files), sum(f.size for f in files), index.hits, index.misses,
     )
+    stager = _Stager(source, target, settings, log, index)
+
+    small = [f for f in files if f.size < settings.pack_below]
+    pack = bool(small) and (settings.pack == "always" or (settings.pack == "auto" and len(small) >= settings.pack_min_files))
+    packed = {f.rel for f in small} if pack else set()
+    plans = (
+        plan_shards(
+            [Member(f.rel, f.size, f.sha256) for f in small],
+            target_size=settings.shard_target,
+            max_size=settings.shard_max,
+        )
+        if pack
+        else []
+    )
+
+    blobs: dict[str, _Blob] = {}
+    for f in files:
+        if f.rel not in packed:
+            key = blob_key(name, f.sha256)
+            blobs.setdefault(key, _Blob(key=key, size=f.size, sha256=f.sha256, md5=f.md5, file=f))
+    unknown_shards: list[ShardPlan] = []
+    for plan in plans:
+        digest = stager.shard_digest(plan)
+        if digest is None:
+            unknown_shards.append(plan)
+        else:
+            key = blob_key(name, digest.sha256)
+            blobs.setdefault(key, _Blob(key=key, size=digest.size, sha256=digest.sha256, md5=digest.md5, shard=plan))
 
     # One listing for the whole dataset, not a HEAD per file.
-    existing = {info.key: info for info in target.list(blob_prefix(name))}
-    blobs: dict[str, _LocalFile] = {}
-    for f in files:
-        blobs.setdefault(f"{blob_prefix(name)}{f.sha256}", f)
-
-    to_copy: list[tuple[str, _LocalFile]] = []
-    for key, f in blobs.items():
-        problem = _blob_problem(target, key, f, existing.get(key))
+    existing = list_blobs(target, name, len(blobs) + len(unknown_shards), settings)
+    recorded = index.stored_etags(target.uri)
+    items: list[UploadItem] = []
+    repaired = 0
+    for blob in blobs.values():
+        problem = stager.problem(blob, existing.get(blob.key), recorded)
         if problem is None:
-            log.info("blob %s (%s, %d bytes) already staged and verified", f.sha256[:12], f.rel, f.size)
             continue
         if problem != "missing":
-            log.warning(
-                "blob %s (%s) in %s is bad (%s); re-copying it", f.sha256[:12], f.rel, target.uri, problem
-            )
-        to_copy.append((key, f))
+            repaired += 1
+            log.warning("blob %s (%s) in %s is bad (%s); re-copying it", blob.key, _label(blob), target.uri, problem)
+        if blob.file is not None:
+            f = blob.file
+            items.append(UploadItem(
+                key=blob.key, size=f.size, sha256=f.sha256, md5=f.md5, label=f.rel,
+                read=lambda off, n, rel=f.rel: source.read(rel, off, n), metadata={"sha256": f.sha256},
+            ))
+        else:
+            items.append(_shard_item(name, blob.shard, source, stager))
+    items.extend(_shard_item(name, plan, source, stager) for plan in unknown_shards)
 
-    bytes_copied = 0
-    for i, (key, f) in enumerate(to_copy, 1):
+    uploaded: list[Uploaded] = []
+    if items:
+        total = sum(i.size for i in items)
+        log.info("uploading %d of %d blobs (%d bytes) to %s", len(items), len(blobs) + len(unknown_shards), total, target.uri)
+        progress = TransferProgress(total, len(items), every_s=tuning.progress_every_s, log=log, what=f"staging {name}")
         try:
-            target.put_file(key, f.path, metadata={"sha256": f.sha256})
+            uploaded = Uploader(target, tuning, log=log).upload(
+                items, uploads_prefix=blob_prefix(name), progress=progress, stored=stager.stored(existing, recorded)
+            )
         except Exception as exc:
+            index.save()  # digests are still valid: a resumed run does not re-read the files
             raise StagingError(
-                f"uploading {f.rel} to {target.uri}/{key} failed ({exc}); no manifest was written, "
-                "re-run stage_data to resume (blobs already copied are kept)"
+                f"uploading {name} to {target.uri} failed ({type(exc).__name__}: {exc}); no manifest was "
+                "written, re-run stage_data to resume (blobs already copied are kept)"
             ) from exc
-        bytes_copied += f.size
-        log.info("uploaded %d/%d %s (%d bytes) -> %s", i, len(to_copy), f.rel, f.size, key)
+        log.info(progress.line())
 
-    if to_copy:
-        after = {info.key: info for info in target.list(blob_prefix(name))}
-        for key, f in to_copy:
-            problem = _blob_problem(target, key, f, after.get(key))
-            if problem is not None:
-                target.delete(key)  # never leave a wrong object under a content address
-                raise StagingError(
-                    f"uploaded {f.rel} to {target.uri}/{key} but it does not verify ({problem}); "
-                    "was the file modified during staging? re-run stage_data"
-                )
-        log.info("verified %d uploaded blob(s)", len(to_copy))
+    # The version's blobs and what verifies each of them from now on.
+    etags = {k: (i.etag or "") for k, i in existing.items()}
+    etags.update({u.key: u.etag for u in uploaded})
+    shard_keys: dict[str, _Blob] = {}
+    for blob in blobs.values():
+        if blob.shard is not None:
+            shard_keys[blob.shard.members_digest] = blob
+    for u in uploaded:
+        if u.label.startswith("shard:"):
+            md = u.label.removeprefix("shard:")
+            plan = next(p for p in plans if p.members_digest == md)
+            shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=u.sha256, md5=u.md5, shard=plan)
+            index.record_shard(md, ShardDigest(size=u.size, sha256=u.sha256, md5=u.md5))
 
+    entries: list[ManifestEntry] = []
+    records: dict[str, BlobRecord] = {}
+    for f in files:
+        if f.rel in packed:
+            continue
+        key = blob_key(name, f.sha256)
+        entries.append(ManifestEntry(path=f.rel, key=key, size=f.size, sha256=f.sha256))
+        records[key] = BlobRecord(key=key, size=f.size, sha256=f.sha256, etag=etags.get(key) or None)
+    for plan in plans:
+        blob = shard_keys[plan.members_digest]
+        offsets = shard_offsets(plan)
+        entries.extend(
+            ManifestEntry(path=m.path, key=blob.key, size=m.size, sha256=m.sha256, offset=offsets[m.path])
+            for m in plan.members
+        )
+        records[blob.key] = BlobRecord(
+            key=blob.key, size=blob.size, sha256=blob.sha256, etag=etags.get(blob.key) or None,
+            members=len(plan.members), members_digest=plan.members_digest,
+        )
+    index.set_stored(target.uri, {k: r.etag for k, r in records.items() if r.etag})
+    index.save(live_shards={p.members_digest for p in plans})
+
+    manifest = DatasetManifest(
+        dataset=name,
+        entries=tuple(sorted(entries, key=lambda e: e.path)),
+        blobs=tuple(sorted(records.values(), key=lambda b: b.key)),
+        source_uri=source.uri,
+        sensitivity=sensitivity,
+        created_by=run_key,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    manifest_key = manifest_key_for(name, manifest.version)
     # The commit point: create-only, after every blob is in place and verified.
-    if target.put_if_absent(manifest_key, manifest.to_json()):
+    created = target.put_if_absent(manifest_key, manifest.to_json())
+    if created:
         log.info("committed manifest %s/%s", target.uri, manifest_key)
     else:
         current = read_manifest(target, manifest_key)
-        if sorted(current.entries, key=lambda e: e.path) != sorted(entries, key=lambda e: e.path):
+        if current.version != manifest.version or {(e.path, e.size, e.sha256) for e in current.entries} != {
+            (e.path, e.size, e.sha256) for e in entries
+        }:
             raise StagingError(
                 f"manifest {target.uri}/{manifest_key} exists with different entries; it is corrupt: "
                 "delete it and re-run stage_data"
             )
-        log.info(
-            "manifest %s already committed (by %s); nothing to write", manifest_key, current.created_by or "?"
-        )
+        missing = {e.key for e in current.entries} - set(etags)
+        if missing:
+            raise StagingError(
+                f"manifest {target.uri}/{manifest_key} names {len(missing)} blob(s) this dataset no longer "
+                f"has (e.g. {sorted(missing)[0]}); it was packed differently: delete it and re-run stage_data"
+            )
+        log.info("manifest %s already committed (by %s); nothing to write", manifest_key, current.created_by or "?")
 
     result = StagingResult(
         dataset=name,
-        version=version,
+        version=manifest.version,
         manifest_key=manifest_key,
         store_uri=target.uri,
-        objects_total=len(entries),
-        objects_copied=len(to_copy),
-        bytes_copied=bytes_copied,
+        objects_total=len(files),
+        objects_copied=sum(1 for u in uploaded if u.bytes_sent or u.parts),
+        bytes_copied=sum(u.bytes_sent for u in uploaded),
         seconds=time.monotonic() - started,
+        blobs_total=len(records),
+        files_packed=len(packed),
+        shards=len(plans),
+        repaired=repaired,
+        resumed_parts=sum(u.resumed_parts for u in uploaded),
+        files_read=index.misses,
+        manifest_created=created,
     )
     log.info(
-        "staged %s version %s: %d/%d objects copied, %d bytes, %.2fs",
-        name,
-        version,
-        result.objects_copied,
-        result.objects_total,
-        result.bytes_copied,
-        result.seconds,
+        "staged %s version %s: %d files in %d blobs (%d shards), %d blobs copied, %d bytes, %d repaired, %.2fs",
+        name, result.version, result.objects_total, result.blobs_total, result.shards,
+        result.objects_copied, result.bytes_copied, result.repaired, result.seconds,
     )
     return result
+
+
+def _label(blob: _Blob) -> str:
+    if blob.file is not None:
+        return blob.file.rel
+    return f"shard of {len(blob.shard.members)} files" if blob.shard else "?"
+
+
+def _shard_item(name: str, plan: ShardPlan, source: DatasetSource, stager: _Stager) -> UploadItem:
+    def build() -> tuple[str, bytes, str, str]:
+        data, _ = build_shard(plan, lambda rel: source.read(rel))
+        sha = hashlib.sha256(data).hexdigest()
+        return blob_key(name, sha), data, sha, hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+    return UploadItem(
+        key="", size=plan.max_bytes, sha256="", md5=None, build=build,
+        label=f"shard:{plan.members_digest}", metadata={"members": str(len(plan.members))},
+    )
+

@@ -157,13 +157,38 @@ def test_multipart_upload_and_download_roundtrip(s3_args, tmp_path, checksums):
     assert s.stat("blobs/big").etag == hashlib.md5(src.read_bytes()).hexdigest()
 
 
-def test_each_thread_gets_its_own_client(store):
-    other = []
-    t = threading.Thread(target=lambda: other.append(store.client))
-    t.start()
-    t.join()
-    assert other[0] is not store.client
-    assert store.client is store.client
+def test_threads_share_one_client_and_its_pool(store):
+    seen, errors = [], []
+
+    def work(i: int) -> None:
+        try:
+            seen.append(store.client)
+            store.put_bytes(f"t/{i}", str(i).encode())
+            assert store.get_bytes(f"t/{i}") == str(i).encode()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(c is store.client for c in seen)
+    assert store.client.meta.config.max_pool_connections == 32
+    assert sorted(o.key for o in store.list("t/")) == sorted(f"t/{i}" for i in range(24))
+
+
+def test_listing_parses_timestamps_without_dateutil(store):
+    from datetime import datetime
+
+    from hybridflow.storage.s3 import _fast_timestamp
+
+    assert _fast_timestamp("2026-12-03T10:00:00.123Z") == datetime.fromisoformat("2026-12-03T10:00:00.123+00:00")
+    assert _fast_timestamp("Wed, 21 Oct 2015 07:28:00 GMT").year == 2015  # HTTP-date headers still parse
+    store.put_bytes("ts", b"x")
+    page = store.client.list_objects_v2(Bucket=store.bucket, Prefix=store.prefix)
+    assert isinstance(page["Contents"][0]["LastModified"], datetime)
 
 
 def test_open_store_and_spec_roundtrip(store, s3_args):

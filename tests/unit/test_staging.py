@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -169,22 +170,25 @@ def test_unknown_target_location_is_refused_before_any_write(digits, store):
 
 
 def test_manifest_appears_only_after_every_blob(digits, store, monkeypatch):
-    real_put_file = store.put_file
+    real_put = store.put_verified
     uploads = []
+    lock = threading.Lock()
 
-    def flaky_put_file(key, path, **kwargs):
-        uploads.append(key)
-        if len(uploads) == 2:
+    def flaky_put(key, data, **kwargs):
+        with lock:
+            uploads.append(key)
+            fail = len(uploads) == 2
+        if fail:
             raise ConnectionError("network went away")
-        return real_put_file(key, path, **kwargs)
+        return real_put(key, data, **kwargs)
 
-    monkeypatch.setattr(store, "put_file", flaky_put_file)
+    monkeypatch.setattr(store, "put_verified", flaky_put)
     with pytest.raises(StagingError, match="no manifest was written"):
         _stage(digits, store)
     assert [o.key for o in store.list("datasets/digits/versions/")] == []
     assert len(list(store.list("datasets/digits/blobs/"))) == 1
 
-    monkeypatch.setattr(store, "put_file", real_put_file)
+    monkeypatch.setattr(store, "put_verified", real_put)
     resumed = _stage(digits, store)
     assert resumed.objects_copied == 1  # only the blob the failed run did not copy
     assert [o.key for o in store.list("datasets/digits/versions/")] == [resumed.manifest_key]
@@ -217,3 +221,234 @@ def test_local_folder_store_is_verified_by_content(digits, tmp_path, caplog):
     assert (again.objects_copied, again.bytes_copied) == (1, entry.size)
     assert "re-copying" in caplog.text
     assert fetch_verified(target, entry) == (digits.path / "train.csv").read_bytes()
+
+
+# -- the staging engine: index, fan-out, multipart, packing, corruption, S3 sources, versions ------
+
+import hashlib  # noqa: E402
+import io  # noqa: E402
+import os  # noqa: E402
+import tarfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from hybridflow.cache import list_versions, prune_versions  # noqa: E402
+from hybridflow.datasets import DatasetRef  # noqa: E402
+from hybridflow.staging import StagingSettings, blob_prefix  # noqa: E402
+from hybridflow.storage.sources import S3DatasetSource  # noqa: E402
+from hybridflow.storage.transfer import TransferSettings  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def _folder(root: Path, name: str, files: dict[str, bytes]) -> DatasetRef:
+    folder = root / name
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return DatasetRef(uri=f"file://{folder}", path=folder)
+
+
+def _small_files(n: int, size: int, seed: int = 0) -> dict[str, bytes]:
+    rng = __import__("random").Random(seed)
+    return {f"class-{i % 10}/img-{i:05d}.bin": rng.randbytes(size) for i in range(n)}
+
+
+def _age(folder: Path) -> None:
+    """Files written seconds ago look racily clean to the hash index; make them older."""
+    old = time.time() - 60
+    for p in folder.rglob("*"):
+        os.utime(p, (old, old))
+
+
+NO_PACK = StagingSettings(pack="never")
+
+
+def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
+    ds = _folder(tmp_path, "fan", _small_files(40, 2048))
+    _age(ds.path)
+    index = tmp_path / "index.json"
+    first = _stage(ds, store, settings=NO_PACK, index_path=index)
+    assert (first.objects_copied, first.files_read) == (40, 40)
+    keys = [o.key for o in store.list(blob_prefix("fan"))]
+    assert len(keys) == 40 and all(k.split("/")[-2] == k.split("/")[-1][:2] for k in keys)
+    log = Requests(store.client)
+    again = _stage(ds, store, settings=NO_PACK, index_path=index)
+    assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
+    assert log.writes == [] and not any(op in ("HeadObject", "GetObject") for op, _, _ in log.calls[:-2])
+    # a changed file is the only one read and sent again
+    (ds.path / "class-3/img-00003.bin").write_bytes(b"new content")
+    third = _stage(ds, store, settings=NO_PACK, index_path=index)
+    assert (third.objects_copied, third.files_read, third.bytes_copied) == (1, 1, len(b"new content"))
+    assert third.version != first.version
+
+
+def test_corrupted_cached_objects_are_all_detected_and_repaired(store, rclone_s3, tmp_path):
+    files = _small_files(120, 4096, seed=1)
+    ds = _folder(tmp_path, "flip", files)
+    first = _stage(ds, store, settings=NO_PACK)
+    manifest = read_manifest(store, first.manifest_key)
+    for entry in manifest.entries:  # one flipped byte in every cached object, size unchanged
+        path = _blob_file(rclone_s3, store, entry.key)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    _settle()
+    again = _stage(ds, store, settings=NO_PACK)
+    assert (again.repaired, again.objects_copied) == (120, 120)
+    for entry in manifest.entries:
+        assert fetch_verified(store, entry) == files[entry.path]
+    assert _stage(ds, store, settings=NO_PACK).repaired == 0
+
+
+def _multipart_settings(**kw) -> StagingSettings:
+    tuning = TransferSettings(multipart_threshold=6 * MiB, part_size=5 * MiB, workers=4, **kw)
+    return StagingSettings(transfer=tuning, pack="never", shard_max=6 * MiB, shard_target=4 * MiB)
+
+
+def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(store, tmp_path, monkeypatch):
+    big = os.urandom(23 * MiB)
+    ds = _folder(tmp_path, "big", {"weights.bin": big, "meta.json": b"{}"})
+    settings = _multipart_settings()
+    real_part = store.upload_part
+    sent = []
+
+    def failing_part(key, upload_id, number, data, **kw):
+        if len(sent) == 2:
+            raise ConnectionError("link dropped")
+        sent.append(number)
+        return real_part(key, upload_id, number, data, **kw)
+
+    monkeypatch.setattr(store, "upload_part", failing_part)
+    with pytest.raises(StagingError, match="re-run stage_data to resume"):
+        _stage(ds, store, settings=settings)
+    assert [o.key for o in store.list("datasets/big/versions/")] == []
+    assert len(store.multipart_uploads(blob_prefix("big"))) == 1
+    monkeypatch.setattr(store, "upload_part", real_part)
+    log = Requests(store.client)
+    resumed = _stage(ds, store, settings=settings)
+    assert resumed.resumed_parts == 2
+    part_bytes = sum(n for op, _, n in log.calls if op == "UploadPart")
+    assert part_bytes == len(big) - 2 * 5 * MiB  # only the parts the first run had not sent
+    assert store.multipart_uploads(blob_prefix("big")) == []
+    entry = read_manifest(store, resumed.manifest_key).entry("weights.bin")
+    assert hashlib.sha256(fetch_verified(store, entry)).hexdigest() == hashlib.sha256(big).hexdigest()
+    # the listing vouches for the multipart blob from now on (its ETag was recorded in the
+    # manifest): nothing is re-sent and, once known to this machine's index, nothing re-read
+    index = tmp_path / "idx.json"
+    assert _stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
+    log.calls.clear()
+    assert _stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
+    assert not any(op in ("GetObject", "UploadPart", "PutObject") for op, _, _ in log.calls[:-2])
+
+
+def test_abandoned_multipart_uploads_are_aborted(store, tmp_path):
+    ds = _folder(tmp_path, "aband", {"weights.bin": os.urandom(7 * MiB)})
+    stale = store.start_multipart(f"{blob_prefix('aband')}00/not-needed-any-more")
+    _stage(ds, store, settings=_multipart_settings(abandoned_upload_age_s=0.0))
+    assert all(u["upload_id"] != stale for u in store.multipart_uploads(blob_prefix("aband")))
+
+
+def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store, tmp_path):
+    files = _small_files(600, 16 * 1024, seed=2)
+    ds = _folder(tmp_path, "packed", files)
+    settings = StagingSettings(pack="auto", pack_min_files=100, shard_target=2 * MiB, shard_max=4 * MiB)
+    first = _stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
+    assert first.files_packed == 600 and 3 <= first.shards <= 6 and first.objects_copied == first.shards
+    manifest = read_manifest(store, first.manifest_key)
+    assert {e.path for e in manifest.entries} == set(files)
+    for entry in list(manifest.entries)[::37]:
+        assert entry.in_shard and fetch_verified(store, entry) == files[entry.path]  # one ranged read
+    shard = next(b for b in manifest.blobs if b.members)
+    with tarfile.open(fileobj=io.BytesIO(store.get_bytes(shard.key))) as tar:  # a plain tar
+        names = tar.getnames()
+        assert len(names) == shard.members and tar.extractfile(names[0]).read() == files[names[0]]
+    # one changed sample changes one shard (or two, at a boundary), not all of them
+    (ds.path / "class-5/img-00305.bin").write_bytes(b"relabelled")
+    second = _stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
+    assert 1 <= second.objects_copied <= 2 and second.version != first.version
+    # staging only adds: the first version is still complete and readable
+    for entry in read_manifest(store, first.manifest_key).entries[::50]:
+        assert fetch_verified(store, entry) == files[entry.path]
+
+
+def test_a_sample_corrupted_inside_a_shard_is_caught_by_the_reader(store, rclone_s3, tmp_path):
+    files = _small_files(300, 4096, seed=3)
+    ds = _folder(tmp_path, "shardrot", files)
+    settings = StagingSettings(pack="always", shard_target=1 * MiB, shard_max=2 * MiB)
+    first = _stage(ds, store, settings=settings)
+    entry = read_manifest(store, first.manifest_key).entries[7]
+    path = _blob_file(rclone_s3, store, entry.key)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _settle()
+    with pytest.raises(StagingError, match="corrupt"):
+        fetch_verified(store, entry)
+    repaired = _stage(ds, store, settings=settings)
+    assert repaired.repaired == 1 and fetch_verified(store, entry) == files[entry.path]
+
+
+def test_stage_from_a_private_s3_bucket(store, rclone_s3, tmp_path):
+    endpoint, access, secret, _ = rclone_s3
+    private = S3ObjectStore(f"hf-private-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, access_key=access,
+                            secret_key=secret)
+    private.ensure_bucket()
+    files = _small_files(30, 3000, seed=4)
+    for rel, data in files.items():
+        private.put_bytes(f"datasets/shots/{rel}", data)
+    source = S3DatasetSource(private, "datasets/shots")
+    index = tmp_path / "s3-index.json"
+    first = _stage(source, store, settings=NO_PACK, index_path=index)
+    assert first.objects_copied == 30 and first.dataset == "shots"
+    for entry in read_manifest(store, first.manifest_key).entries:
+        assert fetch_verified(store, entry) == files[entry.path]
+    reads = Requests(private.client)
+    again = _stage(source, store, settings=NO_PACK, index_path=index)
+    assert again.bytes_copied == 0 and again.files_read == 0
+    assert [op for op, _, _ in reads.calls] == ["ListObjectsV2"]  # one listing of the source, nothing else
+
+
+def test_restricted_data_from_an_s3_source_never_reaches_a_public_store(store, rclone_s3):
+    endpoint, access, secret, _ = rclone_s3
+    private = S3ObjectStore(f"hf-private-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, access_key=access,
+                            secret_key=secret)
+    private.ensure_bucket()
+    private.put_bytes("datasets/patients/a.csv", b"x,y\n")
+    log = Requests(store.client)
+    with pytest.raises(SovereigntyError):
+        _stage(S3DatasetSource(private, "datasets/patients"), store, sensitivity="restricted")
+    assert log.calls == []
+
+
+def test_long_copies_log_progress(store, tmp_path, caplog):
+    ds = _folder(tmp_path, "progress", _small_files(200, 8192, seed=5))
+    settings = StagingSettings(pack="never", transfer=TransferSettings(progress_every_s=0.0, workers=2))
+    with caplog.at_level(logging.INFO, logger="hybridflow.staging"):
+        _stage(ds, store, settings=settings, log=logging.getLogger("hybridflow.staging"))
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert lines and "/200 objects" in lines[-1] and ("KiB/s" in lines[-1] or "MiB/s" in lines[-1])
+
+
+def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(store, tmp_path):
+    files = _small_files(12, 1000, seed=6)
+    ds = _folder(tmp_path, "vers", files)
+    results = []
+    for i in range(5):
+        (ds.path / "changing.txt").write_bytes(f"version {i}".encode())
+        results.append(_stage(ds, store, settings=NO_PACK))
+        time.sleep(1.1)  # created_at has one-second resolution
+    versions = list_versions(store, "vers")
+    assert [v.version for v in versions] == [r.version for r in reversed(results)]
+    with pytest.raises(ValueError, match="at least the last 3"):
+        prune_versions(store, "vers", keep=2)
+    dry = prune_versions(store, "vers", keep=3, protect_s=0, min_blob_age_s=0, dry_run=True)
+    assert len(dry.versions_deleted) == 2 and dry.blobs_deleted == 2 and len(list_versions(store, "vers")) == 5
+    report = prune_versions(store, "vers", keep=3, protect_s=0, min_blob_age_s=0)
+    assert report.versions_deleted == [results[1].version, results[0].version]
+    assert report.blobs_deleted == 2  # the two old "changing.txt" blobs; shared blobs stay
+    for r in results[2:]:
+        for entry in read_manifest(store, r.manifest_key).entries:
+            fetch_verified(store, entry)
+    # young unreferenced blobs (a stage in flight) survive a prune
+    store.put_bytes(f"{blob_prefix('vers')}ff/in-flight", b"x")
+    assert prune_versions(store, "vers", keep=3, protect_s=0).blobs_kept_young == 1

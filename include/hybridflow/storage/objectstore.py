@@ -26,6 +26,7 @@ class ObjectInfo:
     key: str
     size: int
     etag: str | None = None
+    last_modified: float | None = None  # POSIX seconds, where the store reports it
 
 
 class ObjectStore(Protocol):
@@ -43,6 +44,10 @@ class ObjectStore(Protocol):
     def put_file(self, key: str, path: Path, *, metadata: dict[str, str] | None = None) -> None: ...
 
     def get_bytes(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from byte ``start`` (one ranged read)."""
+        ...
 
     def get_file(self, key: str, path: Path) -> None: ...
 
@@ -188,11 +193,42 @@ class LocalObjectStore:
 
         self._write_atomic(self._path(key), copy)
 
+    def put_verified(
+        self, key: str, data: bytes, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
+    ) -> str:
+        """Same contract as the S3 store's: write ``data`` and return its MD5 (the local 'ETag')."""
+        self.put_bytes(key, data)
+        return md5
+
+    def put_chunks(self, key: str, chunks) -> tuple[int, str]:
+        """Stream ``chunks`` into ``key`` atomically; returns (size, sha256) of what was written."""
+        import hashlib
+
+        sha, size = hashlib.sha256(), 0
+
+        def write(fh) -> None:
+            nonlocal size
+            for chunk in chunks:
+                sha.update(chunk)
+                size += len(chunk)
+                fh.write(chunk)
+
+        self._write_atomic(self._path(key), write)
+        return size, sha.hexdigest()
+
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
         if not path.is_file():
             raise FileNotFoundError(f"{self.uri}/{key} does not exist")
         return path.read_bytes()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        path = self._path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.uri}/{key} does not exist")
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            return fh.read(length)
 
     def get_file(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,14 +238,18 @@ class LocalObjectStore:
         return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        if not self.root.is_dir():
+        # Walk only the folder the prefix names (a blob-prefix listing must not walk the store).
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._path(head) if head else self.root
+        if not base.is_dir():
             return
-        for path in sorted(self.root.rglob("*")):
+        for path in sorted(base.rglob("*")):
             if not path.is_file() or path.name.startswith("."):
                 continue
             key = path.relative_to(self.root).as_posix()
             if key.startswith(prefix):
-                yield ObjectInfo(key=key, size=path.stat().st_size)
+                st = path.stat()
+                yield ObjectInfo(key=key, size=st.st_size, last_modified=st.st_mtime)
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -1,0 +1,192 @@
+"""Where a dataset is staged from: a private folder (local disk or an NFS mount) or a bucket on a
+private S3 endpoint. A source lists its files once, with the SHA-256 of each (remembered in a
+:class:`~hybridflow.storage.hashindex.HashIndex`, so only new or changed files are read), and reads
+byte ranges of them for the upload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from hybridflow.errors import StagingError
+from hybridflow.storage.hashindex import FileDigest, HashIndex
+
+_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str  # '/'-separated path inside the dataset
+    size: int
+    sha256: str
+    md5: str | None  # known for files that go up in one request
+
+
+class DatasetSource(Protocol):
+    name: str
+    uri: str
+
+    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int) -> list[SourceFile]: ...
+
+    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+
+def _skipped(rel: str) -> bool:
+    # Dot-files and *.part are in-flight writes (see seed_digits), not dataset content.
+    return any(p.startswith(".") for p in rel.split("/")) or rel.endswith(".part")
+
+
+def _digest_stream(chunks: Iterator[bytes], with_md5: bool) -> tuple[int, str, str | None]:
+    sha = hashlib.sha256()
+    md5 = hashlib.md5(usedforsecurity=False) if with_md5 else None
+    size = 0
+    for chunk in chunks:
+        sha.update(chunk)
+        if md5 is not None:
+            md5.update(chunk)
+        size += len(chunk)
+    return size, sha.hexdigest(), md5.hexdigest() if md5 is not None else None
+
+
+class LocalFolderSource:
+    """A dataset folder in private storage."""
+
+    def __init__(self, path: Path, *, name: str | None = None, uri: str | None = None) -> None:
+        self.path = Path(path)
+        self.name = name or self.path.name
+        self.uri = uri or self.path.resolve().as_uri()
+
+    def _walk(self) -> Iterator[tuple[str, os.stat_result]]:
+        stack = [(self.path, "")]
+        while stack:
+            folder, prefix = stack.pop()
+            with os.scandir(folder) as it:
+                for entry in it:
+                    rel = f"{prefix}{entry.name}"
+                    if _skipped(rel):
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((Path(entry.path), f"{rel}/"))
+                    elif entry.is_file():
+                        yield rel, entry.stat()
+
+    def _hash(self, rel: str, st: os.stat_result, with_md5: bool) -> FileDigest:
+        path = self.path / rel
+
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    yield chunk
+
+        size, sha, md5 = _digest_stream(chunks(), with_md5)
+        now = os.stat(path)
+        if size != st.st_size or now.st_mtime_ns != st.st_mtime_ns:
+            raise StagingError(f"{path} changed while it was being hashed; stop writers and re-run staging")
+        return FileDigest(size=size, sha256=sha, md5=md5)
+
+    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int = 2) -> list[SourceFile]:
+        if not self.path.is_dir():
+            raise StagingError(f"dataset folder {self.path} ({self.uri}) does not exist")
+        found: dict[str, FileDigest] = {}
+        misses: list[tuple[str, os.stat_result]] = []
+        for rel, st in self._walk():
+            known = index.lookup(rel, HashIndex.file_key(st), st.st_mtime_ns)
+            if known is not None:
+                found[rel] = known
+            else:
+                misses.append((rel, st))
+
+        def work(job: tuple[str, os.stat_result]) -> tuple[str, FileDigest]:
+            rel, st = job
+            hashed_at = time.time_ns()
+            digest = self._hash(rel, st, st.st_size <= md5_max_size)
+            index.record(rel, HashIndex.file_key(st), digest, hashed_at)
+            return rel, digest
+
+        # hashlib drops the GIL on large buffers: threads hash on every core.
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
+            for rel, digest in pool.map(work, misses):
+                found[rel] = digest
+        return [
+            SourceFile(rel=rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None)
+            for rel, d in sorted(found.items())
+        ]
+
+    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+        with open(self.path / rel, "rb") as fh:
+            if offset:
+                fh.seek(offset)
+            return fh.read() if length is None else fh.read(length)
+
+
+class S3DatasetSource:
+    """A dataset under ``prefix`` of a bucket on a private S3 endpoint (``store`` is an
+    :class:`~hybridflow.storage.s3.S3ObjectStore` built from an Airflow Connection).
+
+    An object's identity for the index is its (size, ETag): S3 objects are immutable, so a changed
+    object has a new ETag. Digests of unknown objects come from the ``sha256`` user metadata that
+    hybridflow writes, else from reading the object once.
+    """
+
+    def __init__(self, store: Any, prefix: str, *, name: str | None = None) -> None:
+        self.store = store
+        self.prefix = prefix.strip("/")
+        self.name = name or self.prefix.rsplit("/", 1)[-1]
+        self.uri = f"{store.uri}/{self.prefix}"
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int = 8) -> list[SourceFile]:
+        listed = [i for i in self.store.list(f"{self.prefix}/") if not _skipped(i.key[len(self.prefix) + 1 :])]
+        if not listed:
+            raise StagingError(f"no objects under {self.uri}; check the dataset URI")
+        found: dict[str, FileDigest] = {}
+        misses = []
+        for info in listed:
+            rel = info.key[len(self.prefix) + 1 :]
+            known = index.lookup(rel, [info.size, info.etag or ""], None)
+            if known is not None:
+                found[rel] = known
+            else:
+                misses.append((rel, info))
+
+        def work(job) -> tuple[str, FileDigest]:
+            rel, info = job
+            with_md5 = info.size <= md5_max_size
+            etag = (info.etag or "").lower()
+            recorded = self.store.metadata(self._key(rel)).get("sha256")
+            if recorded and (not with_md5 or (len(etag) == 32 and "-" not in etag)):
+                digest = FileDigest(size=info.size, sha256=recorded, md5=etag if with_md5 else None)
+            else:
+                size, sha, md5 = _digest_stream(self._chunks(rel, info.size), with_md5)
+                digest = FileDigest(size=size, sha256=sha, md5=md5)
+            index.record(rel, [info.size, info.etag or ""], digest, time.time_ns())
+            return rel, digest
+
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="scan") as pool:
+            for rel, digest in pool.map(work, misses):
+                found[rel] = digest
+        return [
+            SourceFile(rel=rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None)
+            for rel, d in sorted(found.items())
+        ]
+
+    def _chunks(self, rel: str, size: int) -> Iterator[bytes]:
+        step = 8 * _CHUNK
+        for start in range(0, size, step):
+            yield self.store.get_range(self._key(rel), start, min(step, size - start))
+
+    def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
+        if offset == 0 and length is None:
+            return self.store.get_bytes(self._key(rel))
+        if length is None:
+            raise ValueError("a ranged read of an S3 source needs a length")
+        return self.store.get_range(self._key(rel), offset, length)
