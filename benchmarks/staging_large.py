@@ -14,7 +14,7 @@ import argparse
 import os
 import shutil
 
-from s3bench import MiB, Bench, Measured, measure_here, table, write_files
+from s3bench import Bench, Measured, MiB, measure_here, table, write_files
 
 from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, stage_dataset
@@ -54,8 +54,10 @@ def main() -> int:
             ds = DatasetRef(uri=f"file://{src}", path=src)
             m, result = measure_here(
                 "hybridflow stage_dataset (first stage)",
-                lambda: stage_dataset(ds, store, sensitivity="internal", target_location="public",
-                                      run_key=f"bench-{rep}", settings=StagingSettings(pack="never")),
+                lambda ds=ds, store=store, rep=rep: stage_dataset(
+                    ds, store, sensitivity="internal", target_location="public",
+                    run_key=f"bench-{rep}", settings=StagingSettings(pack="never"),
+                ),
                 args.count, total,
             )
             assert result.bytes_copied == total and result.objects_copied == args.count

@@ -15,10 +15,12 @@ import argparse
 import collections
 import shutil
 
-from s3bench import MiB, Bench, Measured, measure_here, write_files
+from s3bench import Bench, Measured, MiB, measure_here, write_files
 
 from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, blob_key, stage_dataset
+from hybridflow.storage.hashindex import HashIndex
+from hybridflow.storage.sources import LocalFolderSource
 
 
 def main() -> int:
@@ -38,9 +40,6 @@ def main() -> int:
         # Bring both targets up to date without 2 x 100k PUTs: place the bytes in the server's folder.
         s5_bucket, hf_bucket = bench.bucket("s5"), bench.bucket("hf")
         hashes = {}
-        from hybridflow.storage.sources import LocalFolderSource
-        from hybridflow.storage.hashindex import HashIndex
-
         for f in LocalFolderSource(src).scan(HashIndex(None), md5_max_size=1 << 30, workers=2):
             hashes[f.rel] = f.sha256
         for rel, sha in hashes.items():
@@ -75,8 +74,8 @@ def main() -> int:
             sent[0] = 0
             m, result = measure_here(
                 "hybridflow stage_dataset (nothing to do)",
-                lambda: stage_dataset(ds, store, sensitivity="internal", target_location="public",
-                                      run_key=f"noop-{rep}", settings=settings, index_path=index),
+                lambda rep=rep: stage_dataset(ds, store, sensitivity="internal", target_location="public",
+                                              run_key=f"noop-{rep}", settings=settings, index_path=index),
                 args.count, total,
             )
             best[m.tool] = min(best.get(m.tool, m), m, key=lambda x: x.seconds)

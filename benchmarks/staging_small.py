@@ -15,32 +15,20 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from s3bench import MiB, Bench, Measured, measure_here, table, write_files
+from s3bench import Bench, Measured, MiB, measure_here, table, write_files
 
 from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, read_manifest, stage_dataset
-from hybridflow.storage.manifest import fetch_verified
-from hybridflow.storage.shards import iter_members
+from hybridflow.storage.reader import iter_samples
 
 
 def read_back(store, manifest_key: str) -> tuple[int, float]:
-    """Every sample of the staged version, verified, as the training loader reads it: a shard per
-    request when packed, an object per request otherwise. Returns (samples, seconds)."""
+    """Every sample of the staged version, verified, as the training loader reads it
+    (:func:`hybridflow.storage.reader.iter_samples`). Returns (samples, seconds)."""
     manifest = read_manifest(store, manifest_key)
     t0 = time.perf_counter()
-    by_blob: dict[str, dict[str, tuple[int, int, str]]] = {}
-    for e in manifest.entries:
-        if e.in_shard:
-            by_blob.setdefault(e.key, {})[e.path] = (e.offset, e.size, e.sha256)
-
-    def shard(key: str) -> int:
-        return sum(1 for _ in iter_members(store.get_bytes(key), by_blob[key]))
-
-    plain = [e for e in manifest.entries if not e.in_shard]
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        n = sum(pool.map(shard, by_blob)) + sum(1 for _ in pool.map(lambda e: fetch_verified(store, e), plain))
+    n = sum(1 for _ in iter_samples(store, manifest, workers=16))
     return n, time.perf_counter() - t0
 
 
@@ -76,7 +64,7 @@ def main() -> int:
                 store = bench.store(b, "cache")
                 m, result = measure_here(
                     label,
-                    lambda store=store, pack=pack: stage_dataset(
+                    lambda store=store, pack=pack, rep=rep: stage_dataset(
                         ds, store, sensitivity="internal", target_location="public", run_key=f"bench-{rep}",
                         settings=StagingSettings(pack=pack),
                     ),

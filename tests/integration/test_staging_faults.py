@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -234,6 +234,7 @@ from pathlib import Path  # noqa: E402
 from hybridflow.cache import list_versions, prune_versions  # noqa: E402
 from hybridflow.datasets import DatasetRef  # noqa: E402
 from hybridflow.staging import StagingSettings, blob_prefix  # noqa: E402
+from hybridflow.storage.reader import iter_samples  # noqa: E402
 from hybridflow.storage.sources import S3DatasetSource  # noqa: E402
 from hybridflow.storage.transfer import TransferSettings  # noqa: E402
 
@@ -358,6 +359,9 @@ def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store,
     assert {e.path for e in manifest.entries} == set(files)
     for entry in list(manifest.entries)[::37]:
         assert entry.in_shard and fetch_verified(store, entry) == files[entry.path]  # one ranged read
+    log = Requests(store.client)
+    assert dict(iter_samples(store, manifest)) == files  # the loader: every sample checked
+    assert sum(1 for op, _, _ in log.calls if op == "GetObject") == first.shards  # a request per shard
     shard = next(b for b in manifest.blobs if b.members)
     with tarfile.open(fileobj=io.BytesIO(store.get_bytes(shard.key))) as tar:  # a plain tar
         names = tar.getnames()
@@ -452,3 +456,44 @@ def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(store, 
     # young unreferenced blobs (a stage in flight) survive a prune
     store.put_bytes(f"{blob_prefix('vers')}ff/in-flight", b"x")
     assert prune_versions(store, "vers", keep=3, protect_s=0).blobs_kept_young == 1
+
+
+def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection(
+    rclone_s3, tmp_path, monkeypatch, capsys
+):
+    import shutil as _shutil
+
+    import yaml
+
+    from hybridflow.cli import main
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.settings import REPO_ROOT
+
+    endpoint, access, secret, _ = rclone_s3
+    bucket = f"hf-cli-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "config"
+    _shutil.copytree(REPO_ROOT / "config", config)
+    clusters = yaml.safe_load((config / "clusters.yaml").read_text())
+    clusters["clusters"]["cloud-east"]["cache"] = {"conn_id": "hf_cli_cache", "bucket": bucket}
+    (config / "clusters.yaml").write_text(yaml.safe_dump(clusters))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    monkeypatch.setenv("AIRFLOW_CONN_HF_CLI_CACHE", airflow_conn_uri(access, secret, endpoint))
+    store = S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret)
+    store.ensure_bucket()
+    ds = _folder(tmp_path, "clidata", {"a.txt": b"a"})
+    made = []
+    for i in range(4):
+        (ds.path / "b.txt").write_bytes(f"b{i}".encode())
+        made.append(_stage(ds, store, settings=NO_PACK).version)
+        time.sleep(1.1)
+    assert main(["cache", "versions", "--cluster", "cloud-east", "--dataset", "clidata"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    listed = [line.split()[0] for line in out if __import__("re").match(r"^[0-9a-f]{20}  ", line)]
+    assert listed == list(reversed(made))
+    with pytest.raises(SystemExit, match="--keep: keep=1"):
+        main(["cache", "prune", "--cluster", "cloud-east", "--dataset", "clidata", "--keep", "1"])
+    assert main(["cache", "prune", "--cluster", "cloud-east", "--dataset", "clidata", "--protect-hours", "0"]) == 0
+    assert "deleted 1 versions and 1 blobs" in capsys.readouterr().out
+    assert [v.version for v in list_versions(store, "clidata")] == list(reversed(made))[:3]
+    with pytest.raises(SystemExit, match="has no cloud cache"):
+        main(["cache", "versions", "--cluster", "onprem-a", "--dataset", "clidata"])
