@@ -280,3 +280,24 @@ def test_server_stop_terminates_only_its_own_process(tmp_path, rclone_s3, s3_arg
     # The session server is untouched.
     session = S3ObjectStore(_bucket(), **s3_args)
     assert session.ensure_bucket() is True
+
+
+def test_verified_put_carries_checksums_and_a_mangled_body_is_refused(store):
+    from botocore.exceptions import ClientError
+
+    from hybridflow.storage.s3 import _check_etag
+
+    sent = []
+    store.client.meta.events.register("before-send.s3", lambda request, **kw: sent.append(dict(request.headers)))
+    data = os.urandom(10_000)
+    md5, sha = hashlib.md5(data).hexdigest(), hashlib.sha256(data).hexdigest()
+    assert store.put_verified("v/ok", data, md5=md5, sha256=sha) == md5
+    headers = {k.lower(): v for k, v in sent[-1].items()}
+    assert "content-md5" in headers and "x-amz-checksum-sha256" in headers
+    assert "expect" not in headers  # no 100-continue round trip per object
+    with pytest.raises(ClientError, match="BadDigest"):  # the store checks Content-MD5
+        store.put_verified("v/bad", data, md5=hashlib.md5(b"other").hexdigest())
+    assert store.stat("v/bad") is None
+    with pytest.raises(ValueError, match="the bytes were changed"):
+        _check_etag('"' + "0" * 32 + '"', md5, "v/x")
+    assert _check_etag('"abc-3"', md5, "v/x") == "abc-3"  # not an MD5 (multipart, SSE-KMS): left to Content-MD5

@@ -184,7 +184,13 @@ class S3ObjectStore:
             region_name=self.region,
             botocore_session=core,
         )
-        return session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        # No "Expect: 100-continue" on PUTs: it costs a round trip per request (most of the time
+        # of a small object on a fast link) to save a body that an error answer would discard.
+        from botocore.handlers import add_expect_header
+
+        client.meta.events.unregister("before-call.s3", add_expect_header)
+        return client
 
     @property
     def transfer_config(self):
