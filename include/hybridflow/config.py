@@ -175,6 +175,8 @@ class StagingConfig(_Model):
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> StagingConfig:
+        if self.pack_below_kib > self.shard_max_mib * 1024:
+            raise ValueError(f"pack_below_kib {self.pack_below_kib} is above shard_max_mib {self.shard_max_mib} (in KiB)")
         if self.shard_target_mib > self.shard_max_mib:
             raise ValueError(f"shard_target_mib {self.shard_target_mib} is above shard_max_mib {self.shard_max_mib}")
         if self.shard_max_mib > self.multipart_threshold_mib:

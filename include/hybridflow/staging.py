@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -300,7 +300,10 @@ def stage_dataset(
     name = source.name
     index = HashIndex(index_path)
     tuning = settings.transfer
-    files = source.scan(index, md5_max_size=tuning.multipart_threshold, workers=settings.hash_workers)
+    # Big files the index does not know are hashed on their way up (their parts start moving as
+    # soon as each file is hashed), not in a pass over the whole dataset first.
+    big = tuning.multipart_threshold
+    files = source.scan(index, md5_max_size=big, workers=settings.hash_workers, defer_above=big)
     if not files:
         raise StagingError(f"dataset {source.uri} holds no files; nothing to stage")
     log.info(
@@ -323,8 +326,9 @@ def stage_dataset(
     )
 
     blobs: dict[str, _Blob] = {}
+    deferred = [f for f in files if not f.hashed]
     for f in files:
-        if f.rel not in packed:
+        if f.rel not in packed and f.hashed:
             key = blob_key(name, f.sha256)
             blobs.setdefault(key, _Blob(key=key, size=f.size, sha256=f.sha256, md5=f.md5, file=f))
     unknown_shards: list[ShardPlan] = []
@@ -337,7 +341,7 @@ def stage_dataset(
             blobs.setdefault(key, _Blob(key=key, size=digest.size, sha256=digest.sha256, md5=digest.md5, shard=plan))
 
     # One listing for the whole dataset, not a HEAD per file.
-    existing = list_blobs(target, name, len(blobs) + len(unknown_shards), settings)
+    existing = list_blobs(target, name, len(blobs) + len(unknown_shards) + len(deferred), settings)
     recorded = index.stored_etags(target.uri)
     items: list[UploadItem] = []
     repaired = 0
@@ -357,11 +361,13 @@ def stage_dataset(
         else:
             items.append(_shard_item(name, blob.shard, source, stager))
     items.extend(_shard_item(name, plan, source, stager) for plan in unknown_shards)
+    items.extend(_deferred_item(name, f, source, index, big) for f in deferred)
 
     uploaded: list[Uploaded] = []
     if items:
         total = sum(i.size for i in items)
-        log.info("uploading %d of %d blobs (%d bytes) to %s", len(items), len(blobs) + len(unknown_shards), total, target.uri)
+        log.info("uploading up to %d of %d blobs (%d bytes) to %s", len(items),
+                 len(blobs) + len(unknown_shards) + len(deferred), total, target.uri)
         progress = TransferProgress(total, len(items), every_s=tuning.progress_every_s, log=log, what=f"staging {name}")
         try:
             uploaded = Uploader(target, tuning, log=log).upload(
@@ -389,6 +395,8 @@ def stage_dataset(
             shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=u.sha256, md5=u.md5, shard=plan)
             index.record_shard(md, ShardDigest(size=u.size, sha256=u.sha256, md5=u.md5))
 
+    hashed_late = {u.label: u.sha256 for u in uploaded if not u.label.startswith("shard:")}
+    files = [f if f.hashed else replace(f, sha256=hashed_late[f.rel]) for f in files]
     entries: list[ManifestEntry] = []
     records: dict[str, BlobRecord] = {}
     for f in files:
@@ -471,6 +479,17 @@ def _label(blob: _Blob) -> str:
     if blob.file is not None:
         return blob.file.rel
     return f"shard of {len(blob.shard.members)} files" if blob.shard else "?"
+
+
+def _deferred_item(name: str, f: SourceFile, source: DatasetSource, index: HashIndex, md5_max: int) -> UploadItem:
+    def digest() -> tuple[str, str]:
+        d = source.digest(f, index, md5_max_size=md5_max)
+        return blob_key(name, d.sha256), d.sha256
+
+    return UploadItem(
+        key="", size=f.size, sha256="", md5=None, digest=digest, label=f.rel,
+        read=lambda off, n, rel=f.rel: source.read(rel, off, n),
+    )
 
 
 def _shard_item(name: str, plan: ShardPlan, source: DatasetSource, stager: _Stager) -> UploadItem:

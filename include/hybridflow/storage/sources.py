@@ -25,15 +25,30 @@ _CHUNK = 1024 * 1024
 class SourceFile:
     rel: str  # '/'-separated path inside the dataset
     size: int
-    sha256: str
+    sha256: str  # "" until hashed (big files are hashed on their way up, see defer_above)
     md5: str | None  # known for files that go up in one request
+    identity: tuple = ()  # what the hash index keys this file's content by
+    mtime_ns: int | None = None
+
+    @property
+    def hashed(self) -> bool:
+        return bool(self.sha256)
 
 
 class DatasetSource(Protocol):
     name: str
     uri: str
 
-    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int) -> list[SourceFile]: ...
+    def scan(
+        self, index: HashIndex, *, md5_max_size: int, workers: int, defer_above: int | None = None
+    ) -> list[SourceFile]:
+        """Every file with its digests; files bigger than ``defer_above`` whose digests the index
+        does not know come back unhashed (sha256 "") for :meth:`digest` to hash later."""
+        ...
+
+    def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
+        """Hash a file the scan deferred, and remember it in ``index``."""
+        ...
 
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
@@ -77,47 +92,46 @@ class LocalFolderSource:
                     elif entry.is_file():
                         yield rel, entry.stat()
 
-    def _hash(self, rel: str, st: os.stat_result, with_md5: bool) -> FileDigest:
-        path = self.path / rel
+    def scan(
+        self, index: HashIndex, *, md5_max_size: int, workers: int = 2, defer_above: int | None = None
+    ) -> list[SourceFile]:
+        if not self.path.is_dir():
+            raise StagingError(f"dataset folder {self.path} ({self.uri}) does not exist")
+        out: list[SourceFile] = []
+        misses: list[SourceFile] = []
+        for rel, st in self._walk():
+            identity = HashIndex.file_key(st)
+            known = index.lookup(rel, identity, st.st_mtime_ns)
+            f = SourceFile(rel=rel, size=st.st_size, sha256="", md5=None, identity=tuple(identity),
+                           mtime_ns=st.st_mtime_ns)
+            if known is not None:
+                out.append(_with(f, known, md5_max_size))
+            elif defer_above is not None and st.st_size > defer_above:
+                out.append(f)
+            else:
+                misses.append(f)
+        # hashlib drops the GIL on large buffers: threads hash on every core.
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
+            out.extend(pool.map(lambda f: _with(f, self.digest(f, index, md5_max_size=md5_max_size),
+                                                md5_max_size), misses))
+        return sorted(out, key=lambda f: f.rel)
+
+    def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
+        hashed_at = time.time_ns()
+        path = self.path / f.rel
 
         def chunks() -> Iterator[bytes]:
             with open(path, "rb") as fh:
                 while chunk := fh.read(_CHUNK):
                     yield chunk
 
-        size, sha, md5 = _digest_stream(chunks(), with_md5)
+        size, sha, md5 = _digest_stream(chunks(), f.size <= md5_max_size)
         now = os.stat(path)
-        if size != st.st_size or now.st_mtime_ns != st.st_mtime_ns:
-            raise StagingError(f"{path} changed while it was being hashed; stop writers and re-run staging")
-        return FileDigest(size=size, sha256=sha, md5=md5)
-
-    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int = 2) -> list[SourceFile]:
-        if not self.path.is_dir():
-            raise StagingError(f"dataset folder {self.path} ({self.uri}) does not exist")
-        found: dict[str, FileDigest] = {}
-        misses: list[tuple[str, os.stat_result]] = []
-        for rel, st in self._walk():
-            known = index.lookup(rel, HashIndex.file_key(st), st.st_mtime_ns)
-            if known is not None:
-                found[rel] = known
-            else:
-                misses.append((rel, st))
-
-        def work(job: tuple[str, os.stat_result]) -> tuple[str, FileDigest]:
-            rel, st = job
-            hashed_at = time.time_ns()
-            digest = self._hash(rel, st, st.st_size <= md5_max_size)
-            index.record(rel, HashIndex.file_key(st), digest, hashed_at)
-            return rel, digest
-
-        # hashlib drops the GIL on large buffers: threads hash on every core.
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
-            for rel, digest in pool.map(work, misses):
-                found[rel] = digest
-        return [
-            SourceFile(rel=rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None)
-            for rel, d in sorted(found.items())
-        ]
+        if size != f.size or now.st_mtime_ns != f.mtime_ns:
+            raise StagingError(f"{path} changed while it was being staged; stop writers and re-run staging")
+        digest = FileDigest(size=size, sha256=sha, md5=md5)
+        index.record(f.rel, list(f.identity), digest, hashed_at)
+        return digest
 
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
         with open(self.path / rel, "rb") as fh:
@@ -144,40 +158,41 @@ class S3DatasetSource:
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
 
-    def scan(self, index: HashIndex, *, md5_max_size: int, workers: int = 8) -> list[SourceFile]:
+    def scan(
+        self, index: HashIndex, *, md5_max_size: int, workers: int = 8, defer_above: int | None = None
+    ) -> list[SourceFile]:
         listed = [i for i in self.store.list(f"{self.prefix}/") if not _skipped(i.key[len(self.prefix) + 1 :])]
         if not listed:
             raise StagingError(f"no objects under {self.uri}; check the dataset URI")
-        found: dict[str, FileDigest] = {}
-        misses = []
+        out: list[SourceFile] = []
+        misses: list[SourceFile] = []
         for info in listed:
             rel = info.key[len(self.prefix) + 1 :]
-            known = index.lookup(rel, [info.size, info.etag or ""], None)
+            identity = (info.size, info.etag or "")
+            known = index.lookup(rel, list(identity), None)
+            f = SourceFile(rel=rel, size=info.size, sha256="", md5=None, identity=identity)
             if known is not None:
-                found[rel] = known
+                out.append(_with(f, known, md5_max_size))
+            elif defer_above is not None and info.size > defer_above:
+                out.append(f)
             else:
-                misses.append((rel, info))
-
-        def work(job) -> tuple[str, FileDigest]:
-            rel, info = job
-            with_md5 = info.size <= md5_max_size
-            etag = (info.etag or "").lower()
-            recorded = self.store.metadata(self._key(rel)).get("sha256")
-            if recorded and (not with_md5 or (len(etag) == 32 and "-" not in etag)):
-                digest = FileDigest(size=info.size, sha256=recorded, md5=etag if with_md5 else None)
-            else:
-                size, sha, md5 = _digest_stream(self._chunks(rel, info.size), with_md5)
-                digest = FileDigest(size=size, sha256=sha, md5=md5)
-            index.record(rel, [info.size, info.etag or ""], digest, time.time_ns())
-            return rel, digest
-
+                misses.append(f)
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="scan") as pool:
-            for rel, digest in pool.map(work, misses):
-                found[rel] = digest
-        return [
-            SourceFile(rel=rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None)
-            for rel, d in sorted(found.items())
-        ]
+            out.extend(pool.map(lambda f: _with(f, self.digest(f, index, md5_max_size=md5_max_size),
+                                                md5_max_size), misses))
+        return sorted(out, key=lambda f: f.rel)
+
+    def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
+        with_md5 = f.size <= md5_max_size
+        etag = str(f.identity[1]).lower() if len(f.identity) > 1 else ""
+        recorded = self.store.metadata(self._key(f.rel)).get("sha256")
+        if recorded and (not with_md5 or (len(etag) == 32 and "-" not in etag)):
+            digest = FileDigest(size=f.size, sha256=recorded, md5=etag if with_md5 else None)
+        else:
+            size, sha, md5 = _digest_stream(self._chunks(f.rel, f.size), with_md5)
+            digest = FileDigest(size=size, sha256=sha, md5=md5)
+        index.record(f.rel, list(f.identity), digest, time.time_ns())
+        return digest
 
     def _chunks(self, rel: str, size: int) -> Iterator[bytes]:
         step = 8 * _CHUNK
@@ -190,3 +205,8 @@ class S3DatasetSource:
         if length is None:
             raise ValueError("a ranged read of an S3 source needs a length")
         return self.store.get_range(self._key(rel), offset, length)
+
+
+def _with(f: SourceFile, d: FileDigest, md5_max_size: int) -> SourceFile:
+    return SourceFile(rel=f.rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None,
+                      identity=f.identity, mtime_ns=f.mtime_ns)

@@ -41,9 +41,16 @@ class TransferSettings:
 
 @dataclass
 class UploadItem:
-    """One object to upload. ``read(offset, length)`` returns its bytes. Objects whose key is only
-    known once they are built (content-addressed shards) have ``build`` instead: it returns
-    ``(key, bytes, sha256, md5)``, and ``size`` is then an upper bound used for memory accounting."""
+    """One object to upload. ``read(offset, length)`` returns its bytes.
+
+    Two kinds of object learn their key only inside the pipeline, so that no byte waits for a
+    whole-dataset hashing pass:
+
+    - ``build`` (shards): returns ``(key, bytes, sha256, md5)``; ``size`` is an upper bound used
+      for memory accounting;
+    - ``digest`` (big files not hashed yet): returns ``(key, sha256)`` after reading the file; the
+      file then goes up in parts unless the store already holds it.
+    """
 
     key: str
     size: int
@@ -51,6 +58,7 @@ class UploadItem:
     md5: str | None
     read: Callable[[int, int], bytes] | None = None
     build: Callable[[], tuple[str, bytes, str, str]] | None = None
+    digest: Callable[[], tuple[str, str]] | None = None
     label: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
 
@@ -156,7 +164,8 @@ def _md5(data: bytes) -> str:
 
 
 class Uploader:
-    """Uploads :class:`UploadItem` objects into an S3 store (parallel, verified, resumable)."""
+    """Uploads :class:`UploadItem` objects into an S3 store (parallel, verified, resumable), or into
+    a private folder store (streamed copies)."""
 
     def __init__(self, store, settings: TransferSettings, *, log: Any = log) -> None:
         self.store = store
@@ -169,11 +178,12 @@ class Uploader:
         *,
         uploads_prefix: str,
         progress: TransferProgress | None = None,
-        stored: Callable[[str, str, str], str | None] | None = None,
+        stored: Callable[[str, str, str | None], str | None] | None = None,
     ) -> list[Uploaded]:
-        """Upload ``items``; returns what was sent. ``stored(key, sha256, md5)`` is asked about built
-        objects (their key is known only then) and returns the ETag if the store already holds
-        exactly those bytes, in which case nothing is sent."""
+        """Upload ``items``; returns one :class:`Uploaded` per item. ``stored(key, sha256, md5)`` is
+        asked about objects whose key is learnt in the pipeline (built shards, big files hashed on
+        the way) and returns the ETag when the store already holds exactly those bytes; then
+        nothing is sent (``bytes_sent`` 0)."""
         items = list(items)
         if not items:
             return []
@@ -181,101 +191,147 @@ class Uploader:
             sum(i.size for i in items), len(items), every_s=self.settings.progress_every_s, log=self.log,
             what="upload",
         )
-        budget = _Budget(self.settings.max_inflight_bytes)
-        big = [i for i in items if i.build is None and i.size > self.settings.multipart_threshold]
-        can_multipart = hasattr(self.store, "start_multipart")
-        multiparts = self._prepare_multipart(big, uploads_prefix) if big and can_multipart else {}
-        streamed = {i.key for i in big} - set(multiparts)
-        results: list[Uploaded] = []
-        results_lock = threading.Lock()
+        run = _Run(self, progress, stored, uploads_prefix)
+        return run.execute(items)
 
-        def single(item: UploadItem) -> None:
-            budget.take(item.size)
-            try:
-                if item.build is not None:
-                    key, data, sha256, md5 = item.build()
-                    known = stored(key, sha256, md5) if stored else None
-                    if known is not None:
-                        progress.add(item.size, 1)
-                        with results_lock:
-                            results.append(Uploaded(key, len(data), known, 0, 0, 0, sha256, md5, item.label))
-                        return
-                    metadata = {**item.metadata, "sha256": sha256}
-                else:
-                    key, sha256, metadata = item.key, item.sha256, item.metadata
-                    data = item.read(0, item.size)
-                    if len(data) != item.size:
-                        raise ValueError(f"{item.label or item.key}: read {len(data)} bytes, expected {item.size}")
-                    md5 = item.md5 or _md5(data)
-                etag = self.store.put_verified(
-                    key,
-                    data,
-                    md5=md5,
-                    sha256=sha256 if self.settings.sha256_header else None,
-                    metadata=metadata,
-                )
-            finally:
-                budget.give(item.size)
-            progress.add(item.size, 1)
-            with results_lock:
-                results.append(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256, md5, item.label))
+    def is_big(self, item: UploadItem) -> bool:
+        return item.build is None and item.size > self.settings.multipart_threshold
 
-        def stream(item: UploadItem) -> None:
-            # A store without multipart (a private folder): copy in part-sized reads.
-            step = self.settings.part_size
-            chunks = (item.read(o, min(step, item.size - o)) for o in range(0, item.size, step))
-            size, sha256 = self.store.put_chunks(item.key, chunks)
-            if (size, sha256) != (item.size, item.sha256):
-                raise ValueError(f"{item.label or item.key}: wrote {size} bytes with another SHA-256 than scanned")
-            progress.add(item.size, 1)
-            with results_lock:
-                results.append(Uploaded(item.key, size, "", 0, 0, size, sha256, None, item.label))
 
-        def part(mp: _Multipart, number: int) -> None:
-            start, length = mp.part_range(number)
-            budget.take(length)
-            try:
-                data = mp.item.read(start, length)
-                if len(data) != length:
-                    raise ValueError(f"{mp.item.label or mp.item.key}: short read at byte {start}")
-                etag = self.store.upload_part(mp.item.key, mp.upload_id, number, data, md5=_md5(data))
-            finally:
-                budget.give(length)
-            progress.add(length, 0)
-            with mp.lock:
-                mp.etags[number] = etag
-                mp.sent += length
-                finished = len(mp.etags) == mp.count
-            if finished:
-                self._complete(mp, results, results_lock, progress)
+class _Run:
+    """One upload call: a thread pool fed dynamically (a big file's parts are queued once it is
+    hashed and its multipart upload exists), with memory bounded by a byte budget."""
 
+    def __init__(self, up: Uploader, progress: TransferProgress, stored, uploads_prefix: str) -> None:
+        self.up, self.store, self.settings, self.log = up, up.store, up.settings, up.log
+        self.progress, self.stored, self.uploads_prefix = progress, stored, uploads_prefix
+        self.budget = _Budget(self.settings.max_inflight_bytes)
+        self.results: list[Uploaded] = []
+        self.lock = threading.Lock()
+        self.futures: set[Future] = set()
+        self.pool: ThreadPoolExecutor | None = None
+        self.can_multipart = hasattr(self.store, "start_multipart")
+        self.unfinished: dict[str, list[dict[str, Any]]] = {}  # key -> unfinished uploads found
+
+    def submit(self, fn, *args) -> None:
+        future = self.pool.submit(fn, *args)
+        with self.lock:
+            self.futures.add(future)
+
+    def done(self, result: Uploaded) -> None:
+        with self.lock:
+            self.results.append(result)
+
+    def execute(self, items: list[UploadItem]) -> list[Uploaded]:
+        if self.can_multipart and any(self.up.is_big(i) for i in items):
+            self._survey_unfinished({i.key for i in items if self.up.is_big(i) and i.digest is None})
         with ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="upload") as pool:
-            futures: list[Future] = []
+            self.pool = pool
             for item in items:
-                if item.key in streamed:
-                    futures.append(pool.submit(stream, item))
-                    continue
-                mp = multiparts.get(item.key)
-                if mp is None:
-                    futures.append(pool.submit(single, item))
-                    continue
-                todo = [n for n in range(1, mp.count + 1) if n not in mp.etags]
-                if not todo:  # every part already uploaded by an earlier, interrupted run
-                    futures.append(pool.submit(self._complete, mp, results, results_lock, progress))
-                for n in todo:
-                    futures.append(pool.submit(part, mp, n))
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                for f in pending:
-                    f.cancel()
-                raise failed[0].exception()
-        return results
+                if not self.up.is_big(item):
+                    self.submit(self.single, item)
+                elif item.digest is not None:
+                    self.submit(self.hash_then_upload, item)
+                else:
+                    self.submit(self.start_big, item)
+            try:
+                while True:
+                    with self.lock:
+                        current = set(self.futures)
+                    if not current:
+                        break
+                    finished, _ = wait(current, return_when=FIRST_EXCEPTION)
+                    with self.lock:
+                        self.futures -= finished
+                    for f in finished:
+                        if f.exception() is not None:
+                            raise f.exception()
+            except BaseException:
+                with self.lock:
+                    for f in self.futures:
+                        f.cancel()
+                raise
+        return self.results
 
-    # -- multipart ---------------------------------------------------------------------------------
-    def _complete(self, mp: _Multipart, results, results_lock, progress: TransferProgress) -> None:
-        parts = sorted(mp.etags.items())
-        self.store.complete_multipart(mp.item.key, mp.upload_id, parts)
+    # -- single requests ---------------------------------------------------------------------------
+    def single(self, item: UploadItem) -> None:
+        self.budget.take(item.size)
+        try:
+            if item.build is not None:
+                key, data, sha256, md5 = item.build()
+                known = self.stored(key, sha256, md5) if self.stored else None
+                if known is not None:
+                    self.progress.add(item.size, 1)
+                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256, md5, item.label))
+                    return
+                metadata = {**item.metadata, "sha256": sha256}
+            else:
+                key, sha256, metadata = item.key, item.sha256, item.metadata
+                data = item.read(0, item.size)
+                if len(data) != item.size:
+                    raise ValueError(f"{item.label or item.key}: read {len(data)} bytes, expected {item.size}")
+                md5 = item.md5 or _md5(data)
+            etag = self.store.put_verified(
+                key, data, md5=md5, sha256=sha256 if self.settings.sha256_header else None, metadata=metadata
+            )
+        finally:
+            self.budget.give(item.size)
+        self.progress.add(item.size, 1)
+        self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256, md5, item.label))
+
+    # -- big files ---------------------------------------------------------------------------------
+    def hash_then_upload(self, item: UploadItem) -> None:
+        key, sha256 = item.digest()
+        item = UploadItem(key=key, size=item.size, sha256=sha256, md5=None, read=item.read,
+                          label=item.label, metadata={**item.metadata, "sha256": sha256})
+        known = self.stored(key, sha256, None) if self.stored else None
+        if known is not None:
+            self.progress.add(item.size, 1)
+            self.done(Uploaded(key, item.size, known, 0, 0, 0, sha256, None, item.label))
+            return
+        self.start_big(item)
+
+    def start_big(self, item: UploadItem) -> None:
+        if not self.can_multipart:
+            self.stream(item)
+            return
+        mp = self._resume_or_start(item)
+        todo = [n for n in range(1, mp.count + 1) if n not in mp.etags]
+        if not todo:  # every part already uploaded by an earlier, interrupted run
+            self.complete(mp)
+        for n in todo:
+            self.submit(self.part, mp, n)
+
+    def stream(self, item: UploadItem) -> None:
+        # A store without multipart (a private folder): copy in part-sized reads.
+        step = self.settings.part_size
+        chunks = (item.read(o, min(step, item.size - o)) for o in range(0, item.size, step))
+        size, sha256 = self.store.put_chunks(item.key, chunks)
+        if (size, sha256) != (item.size, item.sha256):
+            raise ValueError(f"{item.label or item.key}: wrote {size} bytes with another SHA-256 than scanned")
+        self.progress.add(item.size, 1)
+        self.done(Uploaded(item.key, size, "", 0, 0, size, sha256, None, item.label))
+
+    def part(self, mp: _Multipart, number: int) -> None:
+        start, length = mp.part_range(number)
+        self.budget.take(length)
+        try:
+            data = mp.item.read(start, length)
+            if len(data) != length:
+                raise ValueError(f"{mp.item.label or mp.item.key}: short read at byte {start}")
+            etag = self.store.upload_part(mp.item.key, mp.upload_id, number, data, md5=_md5(data))
+        finally:
+            self.budget.give(length)
+        self.progress.add(length, 0)
+        with mp.lock:
+            mp.etags[number] = etag
+            mp.sent += length
+            finished = len(mp.etags) == mp.count
+        if finished:
+            self.complete(mp)
+
+    def complete(self, mp: _Multipart) -> None:
+        self.store.complete_multipart(mp.item.key, mp.upload_id, sorted(mp.etags.items()))
         # What a later listing will show for this object: rclone lists the whole-file MD5, AWS
         # the "<md5 of part md5s>-<parts>" form; either way it is recorded from the store itself.
         info = self.store.stat(mp.item.key)
@@ -284,44 +340,43 @@ class Uploader:
                 f"{mp.item.label or mp.item.key}: multipart upload completed but the store holds "
                 f"{'nothing' if info is None else f'{info.size} bytes'}, expected {mp.item.size}"
             )
-        progress.add(0, 1)
-        with results_lock:
-            results.append(
-                Uploaded(
-                    mp.item.key, mp.item.size, info.etag or "", mp.count, mp.resumed, mp.sent,
-                    mp.item.sha256, None, mp.item.label,
-                )
-            )
+        self.progress.add(0, 1)
+        self.done(Uploaded(mp.item.key, mp.item.size, info.etag or "", mp.count, mp.resumed, mp.sent,
+                           mp.item.sha256, None, mp.item.label))
 
-    def _prepare_multipart(self, big: list[UploadItem], uploads_prefix: str) -> dict[str, _Multipart]:
-        """Resume or start one multipart upload per large item; abort abandoned uploads."""
-        wanted = {i.key: i for i in big}
-        part_size = self.settings.part_size
-        existing = self.store.multipart_uploads(uploads_prefix)
+    # -- unfinished uploads ------------------------------------------------------------------------
+    def _survey_unfinished(self, keys: set[str]) -> None:
+        """List unfinished uploads once, before any part moves: those for ``keys`` (or for big files
+        hashed on the way) may be resumed; others left longer than abandoned_upload_age_s are
+        aborted (younger ones may belong to a concurrent stage and are left alone)."""
         now = time.time()
-        resumable: dict[str, _Multipart] = {}
-        for up in existing:
-            item = wanted.get(up["key"])
-            if item is not None and item.key not in resumable:
-                done = self._reusable_parts(item, up["upload_id"], part_size)
-                if done is not None:
-                    resumable[item.key] = _Multipart(item, up["upload_id"], part_size, done)
-                    if done:
-                        self.log.info(
-                            "resuming upload of %s: %d of %d parts already in the store",
-                            item.label or item.key, len(done), resumable[item.key].count,
-                        )
-                    continue
+        for up in self.store.multipart_uploads(self.uploads_prefix):
             age = now - up["initiated"] if up.get("initiated") else None
-            if item is not None or (age is not None and age > self.settings.abandoned_upload_age_s):
-                # A duplicate for a key we are uploading, or left behind long ago by a killed copy.
+            if up["key"] not in keys and age is not None and age > self.settings.abandoned_upload_age_s:
                 self.log.info("aborting abandoned multipart upload of %s (%s)", up["key"], up["upload_id"])
                 self.store.abort_multipart(up["key"], up["upload_id"])
-        for key, item in wanted.items():
-            if key not in resumable:
-                upload_id = self.store.start_multipart(key, metadata=item.metadata)
-                resumable[key] = _Multipart(item, upload_id, part_size, {})
-        return resumable
+                continue
+            self.unfinished.setdefault(up["key"], []).append(up)
+
+    def _resume_or_start(self, item: UploadItem) -> _Multipart:
+        part_size = self.settings.part_size
+        with self.lock:
+            candidates = self.unfinished.pop(item.key, [])
+        chosen: _Multipart | None = None
+        for up in candidates:
+            done = None if chosen else self._reusable_parts(item, up["upload_id"], part_size)
+            if done is not None:
+                chosen = _Multipart(item, up["upload_id"], part_size, done)
+                if done:
+                    self.log.info("resuming upload of %s: %d of %d parts already in the store",
+                                  item.label or item.key, len(done), chosen.count)
+            else:
+                # A duplicate for a key being uploaded now, or one made with another part size.
+                self.log.info("aborting abandoned multipart upload of %s (%s)", up["key"], up["upload_id"])
+                self.store.abort_multipart(up["key"], up["upload_id"])
+        if chosen is None:
+            chosen = _Multipart(item, self.store.start_multipart(item.key, metadata=item.metadata), part_size, {})
+        return chosen
 
     def _reusable_parts(self, item: UploadItem, upload_id: str, part_size: int) -> dict[int, str] | None:
         """Parts of an unfinished upload that hold exactly our bytes, or None if it cannot be resumed."""
