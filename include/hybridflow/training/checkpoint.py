@@ -1,13 +1,17 @@
 """Training checkpoints in an object store, committed so a reader never loads a partial one.
 
-Layout, relative to the run's checkpoint store::
+Layout, relative to one place that holds a run's checkpoints (a folder or an S3 prefix)::
 
-    step-000000100/state.pt         the serialised training state (written first)
-    step-000000100/COMMITTED.json   {"step", "size", "sha256", "time", "meta"} (written last)
+    step-000000100/model.pt        shards: one or more files, written first
+    step-000000100/optimizer.pt
+    step-000000100/MANIFEST.json   written last: {"format", "step", "time", "meta",
+                                                  "shards": [{"name", "size", "sha256"}, ...]}
 
-A checkpoint exists only once its ``COMMITTED.json`` does, and it is loaded only if ``state.pt``
-still matches the size and SHA-256 recorded there. A worker killed mid-upload therefore leaves a
-partial folder that is skipped (and later pruned), never a truncated state that a resumed run loads.
+A checkpoint exists only once its manifest does, and it is loaded only if every shard the manifest
+lists is present with the recorded size and SHA-256. A worker killed while writing shards leaves a
+folder without a manifest, which is skipped (and later pruned); one killed after the manifest left a
+complete checkpoint. A run keeps its checkpoints in two places (see :func:`latest_of`); each place
+follows this protocol on its own.
 """
 
 from __future__ import annotations
@@ -16,18 +20,18 @@ import hashlib
 import json
 import logging
 import re
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridflow.storage.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
-STATE_NAME = "state.pt"
-COMMIT_NAME = "COMMITTED.json"
-_KEY_RE = re.compile(r"^step-(\d{9})/(state\.pt|COMMITTED\.json)$")
+FORMAT = "hybridflow.checkpoint/v2"
+MANIFEST_NAME = "MANIFEST.json"
+_KEY_RE = re.compile(r"^step-(\d{9})/([^/]+)$")
+_SHARD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def step_prefix(step: int) -> str:
@@ -35,46 +39,143 @@ def step_prefix(step: int) -> str:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    step: int
-    payload: bytes = field(repr=False)
-    sha256: str
+class Shard:
+    name: str
     size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    shards: tuple[Shard, ...]
     time: float
-    meta: dict
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "step": self.step,
+            "time": self.time,
+            "meta": self.meta,
+            "shards": [{"name": s.name, "size": s.size, "sha256": s.sha256} for s in self.shards],
+        }
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, step: int) -> Manifest:
+        """Parse a manifest; ValueError says what is wrong with it."""
+        try:
+            body = json.loads(raw)
+            if body.get("format") != FORMAT:
+                raise ValueError(f"format is {body.get('format')!r}, expected {FORMAT!r}")
+            if body.get("step") != step:
+                raise ValueError(f"it names step {body.get('step')!r}")
+            shards = tuple(
+                Shard(name=str(s["name"]), size=int(s["size"]), sha256=str(s["sha256"]))
+                for s in body["shards"]
+            )
+            if not shards:
+                raise ValueError("it lists no shards")
+            return cls(
+                step=step, shards=shards, time=float(body.get("time", 0.0)), meta=body.get("meta") or {}
+            )
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """Shards with their digests computed once, ready to be committed to any number of places."""
+
+    manifest: Manifest
+    data: dict[str, bytes] = field(repr=False)
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+def prepare(step: int, shards: Mapping[str, bytes], meta: dict | None = None) -> PreparedCheckpoint:
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    if not shards:
+        raise ValueError("a checkpoint needs at least one shard")
+    for name in shards:
+        if name == MANIFEST_NAME or not _SHARD_NAME_RE.match(name):
+            raise ValueError(
+                f"shard name {name!r} is not allowed: use letters, digits, '.', '_' or '-' "
+                f"(not starting with '.'), and not {MANIFEST_NAME}"
+            )
+    infos = tuple(
+        Shard(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        for name, data in shards.items()
+    )
+    manifest = Manifest(step=step, shards=infos, time=time.time(), meta=dict(meta or {}))
+    return PreparedCheckpoint(manifest=manifest, data=dict(shards))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint whose every shard was read back and verified."""
+
+    manifest: Manifest
+    shards: dict[str, bytes] = field(repr=False)
+    uri: str = ""
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest.meta
+
+    @property
+    def size(self) -> int:
+        return self.manifest.size
 
 
 class CheckpointStore:
-    """Save, find, verify and prune checkpoints of one run in ``store``."""
+    """Commit, find, verify and prune the checkpoints of one run in one place (``store``)."""
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
 
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
     # -- writing -----------------------------------------------------------------------------
-    def save(self, step: int, payload: bytes, meta: dict | None = None) -> Checkpoint:
+    def save(self, step: int, shards: Mapping[str, bytes], meta: dict | None = None) -> Manifest:
+        return self.commit(prepare(step, shards, meta))
+
+    def commit(self, prepared: PreparedCheckpoint) -> Manifest:
+        """Write every shard, then the manifest. Only the manifest makes the checkpoint exist."""
+        step = prepared.step
         prefix = step_prefix(step)
-        commit_key = f"{prefix}/{COMMIT_NAME}"
-        # Re-saving a step (e.g. a rerun reaching the same step) first withdraws the old commit, so
-        # a reader in between falls back to an older checkpoint instead of a mismatching pair.
-        if self.store.exists(commit_key):
-            self.store.delete(commit_key)
-        self.store.put_bytes(f"{prefix}/{STATE_NAME}", payload)
-        record = {
-            "step": step,
-            "size": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "time": time.time(),
-            "meta": meta or {},
-        }
-        self.store.put_bytes(commit_key, json.dumps(record, sort_keys=True).encode())
-        return Checkpoint(
-            step=step,
-            payload=payload,
-            sha256=record["sha256"],
-            size=record["size"],
-            time=record["time"],
-            meta=record["meta"],
-        )
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        # Re-saving a step (a rerun reaching the same step) first withdraws the old manifest, so a
+        # reader in between falls back to an older checkpoint instead of a mix of old and new shards.
+        if self.store.exists(manifest_key):
+            self.store.delete(manifest_key)
+        for shard in prepared.manifest.shards:
+            log.debug(
+                "checkpoint step %d: writing shard %s (%d bytes) to %s",
+                step,
+                shard.name,
+                shard.size,
+                self.uri,
+            )
+            self.store.put_bytes(f"{prefix}/{shard.name}", prepared.data[shard.name])
+        log.debug("checkpoint step %d: writing manifest to %s", step, self.uri)
+        self.store.put_bytes(manifest_key, prepared.manifest.to_json())
+        log.debug("checkpoint step %d: committed in %s", step, self.uri)
+        return prepared.manifest
 
     # -- reading -----------------------------------------------------------------------------
     def _scan(self) -> dict[int, dict[str, int]]:
@@ -87,140 +188,126 @@ class CheckpointStore:
         return found
 
     def committed_steps(self) -> list[int]:
-        """Steps that have a commit record, oldest first (not yet verified)."""
-        return sorted(s for s, files in self._scan().items() if COMMIT_NAME in files)
+        """Steps that have a manifest, oldest first (their shards are not verified here)."""
+        return sorted(s for s, files in self._scan().items() if MANIFEST_NAME in files)
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``; ValueError if there is none or it is unreadable."""
+        try:
+            raw = self.store.get_bytes(f"{step_prefix(step)}/{MANIFEST_NAME}")
+        except FileNotFoundError as exc:
+            raise ValueError(f"checkpoint step {step} in {self.uri} is not committed") from exc
+        try:
+            return Manifest.from_json(raw, step)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint step {step} in {self.uri} has a bad manifest: {exc}") from exc
 
     def load(self, step: int) -> Checkpoint:
-        """The committed checkpoint at ``step``; raises ValueError if it is missing or corrupt."""
+        """The committed checkpoint at ``step`` with every shard verified; ValueError if any is
+        missing or differs from the manifest."""
+        manifest = self.manifest(step)
         prefix = step_prefix(step)
-        try:
-            record = json.loads(self.store.get_bytes(f"{prefix}/{COMMIT_NAME}"))
-        except FileNotFoundError as exc:
-            raise ValueError(f"checkpoint step {step} is not committed") from exc
-        except ValueError as exc:
-            raise ValueError(f"checkpoint step {step} has an unreadable commit record: {exc}") from exc
-        try:
-            payload = self.store.get_bytes(f"{prefix}/{STATE_NAME}")
-        except FileNotFoundError as exc:
-            raise ValueError(f"checkpoint step {step} is committed but its {STATE_NAME} is missing") from exc
-        digest = hashlib.sha256(payload).hexdigest()
-        if len(payload) != record.get("size") or digest != record.get("sha256"):
-            raise ValueError(
-                f"checkpoint step {step} is corrupt: {STATE_NAME} has size {len(payload)} sha256 "
-                f"{digest[:12]}, commit record says size {record.get('size')} sha256 "
-                f"{str(record.get('sha256'))[:12]}"
-            )
-        return Checkpoint(
-            step=step,
-            payload=payload,
-            sha256=digest,
-            size=len(payload),
-            time=float(record.get("time", 0.0)),
-            meta=record.get("meta") or {},
-        )
+        shards: dict[str, bytes] = {}
+        for shard in manifest.shards:
+            try:
+                data = self.store.get_bytes(f"{prefix}/{shard.name}")
+            except FileNotFoundError as exc:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.uri} is committed but its shard {shard.name} is missing"
+                ) from exc
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != shard.size or digest != shard.sha256:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.uri} is corrupt: shard {shard.name} has size "
+                    f"{len(data)} sha256 {digest[:12]}, the manifest says size {shard.size} sha256 "
+                    f"{shard.sha256[:12]}"
+                )
+            shards[shard.name] = data
+        return Checkpoint(manifest=manifest, shards=shards, uri=self.uri)
 
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint that verifies; partial and corrupt ones are skipped."""
-        scan = self._scan()
-        for step in sorted(scan, reverse=True):
-            if COMMIT_NAME not in scan[step]:
-                log.info("skipping checkpoint step %d: not committed (partial upload)", step)
-                continue
-            try:
-                return self.load(step)
-            except ValueError as exc:
-                log.warning("skipping %s", exc)
-        return None
-
-    def _listed_size_ok(self, step: int, listed_size: int) -> bool:
-        try:
-            record = json.loads(self.store.get_bytes(f"{step_prefix(step)}/{COMMIT_NAME}"))
-        except (FileNotFoundError, ValueError):
-            return False
-        return record.get("size") == listed_size
+        found = latest_of([self])
+        return found[0] if found else None
 
     # -- retention ---------------------------------------------------------------------------
+    def _listing_matches(self, step: int, files: dict[str, int]) -> bool:
+        """Cheap check from the listing: a manifest whose shards are all listed with their sizes."""
+        if MANIFEST_NAME not in files:
+            return False
+        try:
+            manifest = self.manifest(step)
+        except ValueError:
+            return False
+        return all(files.get(s.name) == s.size for s in manifest.shards)
+
     def prune(self, keep: int) -> list[int]:
         """Delete all but the ``keep`` newest committed checkpoints, plus partial folders older
-        than the newest commit (those uploads were abandoned). Returns the steps deleted."""
+        than the newest commit (those writes were abandoned). Returns the steps deleted."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         scan = self._scan()
-        # A commit whose listed state size is wrong does not count towards ``keep``, so a corrupt
-        # newest checkpoint never causes the last good one to be deleted (sizes come with the listing).
+        # A commit whose listed shard sizes are wrong does not count towards ``keep``, so a corrupt
+        # newest checkpoint never causes the last good one to be deleted.
         kept: set[int] = set()
         for step in sorted(scan, reverse=True):
             if len(kept) >= keep:
                 break
-            files = scan[step]
-            if COMMIT_NAME in files and STATE_NAME in files and self._listed_size_ok(step, files[STATE_NAME]):
+            if self._listing_matches(step, scan[step]):
                 kept.add(step)
-        newest_commit = max((s for s, f in scan.items() if COMMIT_NAME in f), default=None)
+        newest_commit = max((s for s, f in scan.items() if MANIFEST_NAME in f), default=None)
         deleted = []
         for step, files in sorted(scan.items()):
             if step in kept:
                 continue
-            committed = COMMIT_NAME in files
+            committed = MANIFEST_NAME in files
             if not committed and (newest_commit is None or step > newest_commit):
-                continue  # possibly an upload still in flight
+                continue  # possibly a write still in flight
             if committed and step > min(kept, default=step):
                 continue  # a newer commit that failed the cheap check; leave it for inspection
             prefix = step_prefix(step)
-            # Commit record first: a half-deleted folder then reads as partial, never as committed.
+            # Manifest first: a half-deleted folder then reads as partial, never as committed.
             if committed:
-                self.store.delete(f"{prefix}/{COMMIT_NAME}")
-            if STATE_NAME in files:
-                self.store.delete(f"{prefix}/{STATE_NAME}")
+                self.store.delete(f"{prefix}/{MANIFEST_NAME}")
+            for name in files:
+                if name != MANIFEST_NAME:
+                    self.store.delete(f"{prefix}/{name}")
             deleted.append(step)
         return deleted
 
 
-class AsyncCheckpointer:
-    """Uploads checkpoints on one background thread so training keeps running.
-
-    The caller serialises the state (a consistent snapshot) and hands over bytes. At most one
-    upload is in flight: ``submit`` waits for the previous one, which bounds memory to one extra
-    copy of the state. An upload error is re-raised by the next ``submit``, ``flush`` or ``close``:
-    a run that cannot checkpoint should fail loudly, not train on without a recovery point.
-    """
-
-    def __init__(self, store: ObjectStore | CheckpointStore, keep: int) -> None:
-        self.checkpoints = store if isinstance(store, CheckpointStore) else CheckpointStore(store)
-        self.keep = keep
-        self.written = 0
-        self.last_step: int | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
-        self._pending: Future | None = None
-        self._lock = threading.Lock()
-
-    def _upload(self, step: int, payload: bytes, meta: dict) -> None:
-        started = time.monotonic()
-        self.checkpoints.save(step, payload, meta)
-        self.checkpoints.prune(self.keep)
-        with self._lock:
-            self.written += 1
-            self.last_step = step
-        log.info(
-            "checkpoint step %d committed (%d bytes, %.2fs)", step, len(payload), time.monotonic() - started
-        )
-
-    def submit(self, step: int, payload: bytes, meta: dict | None = None) -> None:
-        self.flush()
-        self._pending = self._pool.submit(self._upload, step, payload, dict(meta or {}))
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
+def latest_of(places: Sequence[CheckpointStore]) -> tuple[Checkpoint, int] | None:
+    """The newest committed checkpoint that verifies in any of ``places`` and the index of the place
+    it came from (the earlier place wins a tie). A place that cannot be listed or read is skipped
+    with a warning, so losing one place (say, the cloud cache) still resumes from the other."""
+    candidates: list[tuple[int, int]] = []
+    for index, place in enumerate(places):
         try:
-            self.flush()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            scan = place._scan()
+        except Exception as exc:  # any store error: the other place may still have the checkpoint
+            log.warning(
+                "cannot list checkpoints in %s (%s: %s); looking in the other places",
+                place.uri,
+                type(exc).__name__,
+                exc,
+            )
+            continue
+        for step, files in scan.items():
+            if MANIFEST_NAME in files:
+                candidates.append((step, index))
+            else:
+                log.info("skipping checkpoint step %d in %s: not committed (partial write)", step, place.uri)
+    for step, index in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        try:
+            return places[index].load(step), index
+        except ValueError as exc:
+            log.warning("skipping %s", exc)
+        except Exception as exc:
+            log.warning(
+                "skipping checkpoint step %d in %s: cannot read it (%s: %s)",
+                step,
+                places[index].uri,
+                type(exc).__name__,
+                exc,
+            )
+    return None
