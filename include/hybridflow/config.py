@@ -51,6 +51,11 @@ class CacheConfig(_Model):
     bucket: str = Field(min_length=1)
 
 
+# Where a run's checkpoints can live: private storage, the cluster's cloud cache bucket, or the
+# cluster's scratch (parallel) filesystem.
+CheckpointPlace = Literal["private", "cache", "scratch"]
+
+
 class Cluster(_Model):
     location: Literal["private", "public"]
     region: str = Field(min_length=1)
@@ -60,7 +65,13 @@ class Cluster(_Model):
     node_pools: list[NodePool] = Field(min_length=1)
     prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
     cache: CacheConfig | None = None
-    checkpoint_store: Literal["private", "cache"] = "private"
+    # The latest checkpoints are kept in two places: the worker commits to checkpoint_store first,
+    # then replicates to checkpoint_replica (default: private storage, or scratch if the primary is
+    # private storage).
+    checkpoint_store: CheckpointPlace = "private"
+    checkpoint_replica: CheckpointPlace | None = None
+    # The cluster's scratch filesystem: absolute, or relative to HYBRIDFLOW_HOME (default scratch/<cluster>).
+    scratch_dir: str | None = Field(default=None, min_length=1)
 
     _name: str = PrivateAttr(default="")
 
@@ -71,6 +82,12 @@ class Cluster(_Model):
     @property
     def is_private(self) -> bool:
         return self.location == "private"
+
+    @property
+    def checkpoint_places(self) -> tuple[CheckpointPlace, CheckpointPlace]:
+        """(primary, replica) places of the cluster's training checkpoints."""
+        default = "scratch" if self.checkpoint_store == "private" else "private"
+        return self.checkpoint_store, self.checkpoint_replica or default
 
     @property
     def total_gpus(self) -> int:
@@ -135,7 +152,14 @@ class TrainingSettings(_Model):
     batch_size: int = Field(default=64, gt=0)
     learning_rate: float = Field(default=0.05, gt=0)
     gang_admission_timeout_s: int = Field(default=120, gt=0)
-    checkpoint_keep: int = Field(default=3, ge=1)
+    checkpoint_keep: int = Field(default=3, ge=1)  # committed checkpoints kept in each place
+    # Interruptible runs also checkpoint on this timer: even a reclaim without SIGTERM loses about this much.
+    interruptible_checkpoint_every_s: float = Field(default=300, gt=0)
+    # SIGTERM -> SIGKILL: the time a preempted worker has to commit its final checkpoint.
+    preemption_grace_s: float = Field(default=30, gt=0, le=3600)
+    # The train task relaunches a preempted gang itself this many times per task try (resuming from
+    # the final checkpoint); application errors use the task's Airflow retries instead.
+    preemption_retries: int = Field(default=3, ge=0)
 
 
 class EvaluationSettings(_Model):
@@ -406,10 +430,7 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
                     )
         if c.location == "public" and c.cache is None:
             bad(f"{at}.cache", "a public cluster needs cache: {conn_id, bucket} to stage data into")
-        if c.checkpoint_store == "cache" and c.cache is None:
-            bad(
-                f"{at}.checkpoint_store", "'cache' needs a cache: {conn_id, bucket}; add one or use 'private'"
-            )
+        problems.extend(f"{path}: {p}" for p in _check_checkpoint_places(at, c))
 
         seen_pools: set[str] = set()
         for i, pool in enumerate(c.node_pools):
@@ -446,6 +467,31 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
         )
     # One missing price is reported once even when several pools need it.
     return list(dict.fromkeys(problems))
+
+
+def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
+    problems: list[str] = []
+    primary, replica = c.checkpoint_places
+    for key, place in (("checkpoint_store", primary), ("checkpoint_replica", replica)):
+        if place == "cache" and c.cache is None:
+            problems.append(f"{at}.{key}: 'cache' needs a cache: {{conn_id, bucket}}; add one or use 'private'")
+        elif place == "cache" and c.is_private:
+            problems.append(
+                f"{at}.{key}: checkpoints of a private cluster may hold restricted data and never go to a "
+                "cloud cache; use 'private' or 'scratch'"
+            )
+    if primary == replica:
+        other = ", ".join(repr(p) for p in get_args(CheckpointPlace) if p != primary)
+        problems.append(
+            f"{at}.checkpoint_replica: {replica!r} is also checkpoint_store; the latest checkpoint is kept "
+            f"in two different places: use one of {other}"
+        )
+    if c.scratch_dir is not None and "scratch" not in (primary, replica):
+        problems.append(
+            f"{at}.scratch_dir: only used when checkpoint_store or checkpoint_replica is 'scratch'; "
+            "remove it or set checkpoint_replica: scratch"
+        )
+    return problems
 
 
 def _check_projects(path: Path, pf: ProjectsFile) -> list[str]:

@@ -127,12 +127,36 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
 
 
 def checkpoint_store_spec(run_key: str, cluster, settings: Settings):
-    """Where the run's checkpoints live: private storage, or the public cluster's cache bucket."""
+    """The run's primary checkpoint place (clusters.yaml ``checkpoint_store``): the worker commits
+    there first; model/final.pt and result.json go there too."""
+    return checkpoint_place_spec(cluster.checkpoint_places[0], run_key, cluster, settings)
+
+
+def checkpoint_replica_spec(run_key: str, cluster, settings: Settings):
+    """The second place the run's latest checkpoints are kept (``checkpoint_replica``)."""
+    return checkpoint_place_spec(cluster.checkpoint_places[1], run_key, cluster, settings)
+
+
+def checkpoint_place_spec(place: str, run_key: str, cluster, settings: Settings):
+    """The run's checkpoint folder in ``place``: private storage, the cluster's cache bucket or its
+    scratch filesystem."""
     from hybridflow.storage.objectstore import StoreSpec
 
-    if cluster.checkpoint_store == "cache":
+    if place == "cache":
         return cache_store_spec(cluster, f"checkpoints/{run_key}")
-    return StoreSpec(kind="local", root=str(settings.private_root / "checkpoints" / run_key))
+    if place == "scratch":
+        return StoreSpec(kind="local", root=str(scratch_root(cluster, settings) / "checkpoints" / run_key))
+    if place == "private":
+        return StoreSpec(kind="local", root=str(settings.private_root / "checkpoints" / run_key))
+    raise ValueError(f"unknown checkpoint place {place!r}; use 'private', 'cache' or 'scratch'")
+
+
+def scratch_root(cluster, settings: Settings) -> Path:
+    """The cluster's scratch filesystem (``scratch_dir``, relative to HYBRIDFLOW_HOME unless absolute)."""
+    if cluster.scratch_dir is None:
+        return settings.home / "scratch" / cluster.name
+    path = Path(cluster.scratch_dir)
+    return path if path.is_absolute() else settings.home / path
 
 
 def evaluate(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Settings | None = None) -> dict:

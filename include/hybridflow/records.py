@@ -43,8 +43,10 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         "gpu_seconds": gpu_seconds,
         "gpu_hours": round(gpu_seconds / 3600.0, 6),
         "train_attempts": trained.get("attempts", []),
+        "training": training_summary(trained.get("attempts", []), trained.get("final_step")),
         "checkpoints": {
             "store": trained.get("checkpoint_store"),
+            "replica": trained.get("checkpoint_replica"),
             "count": trained.get("checkpoints_written"),
             "resumed_from_step": trained.get("start_step"),
             "final_step": trained.get("final_step"),
@@ -62,6 +64,38 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         },
         "durations_s": {name: (out or {}).get("seconds") for name, out in steps.items()},
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def training_summary(attempts: list[Mapping[str, Any]], final_step: int | None) -> dict:
+    """Steps and interruptions of a run's training, counted once each.
+
+    ``steps_trained`` is the model's step count (``final_step``), however many attempts it took.
+    ``steps_run`` adds up each attempt's own steps (its last step minus its start step), and
+    ``steps_lost`` is the work done again: an attempt's last step minus the step the next attempt
+    resumed from. An attempt killed outright (SIGKILL, lost node) reports no last step; those are
+    counted in ``attempts_without_last_step`` instead of being guessed.
+    """
+    steps_run = 0
+    steps_lost = 0
+    unknown = 0
+    for i, a in enumerate(attempts):
+        start, last = a.get("start_step"), a.get("last_step")
+        if start is None or last is None:
+            unknown += 1
+            continue
+        steps_run += max(0, last - start)
+        following = attempts[i + 1].get("start_step") if i + 1 < len(attempts) else None
+        if following is not None:
+            steps_lost += max(0, last - following)
+    return {
+        "steps_trained": final_step,
+        "steps_run": steps_run,
+        "steps_lost": steps_lost,
+        "attempts": len(attempts),
+        "preemptions": sum(1 for a in attempts if a.get("outcome") == "preempted"),
+        "failures": sum(1 for a in attempts if a.get("outcome") in ("failed", "interrupted")),
+        "attempts_without_last_step": unknown,
     }
 
 

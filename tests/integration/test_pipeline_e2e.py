@@ -87,6 +87,9 @@ def test_private_run_end_to_end(estate):
     for key in ("model", "compressed_model", "validation_report", "evaluation_report"):
         assert Path(record["artefacts"][key]).is_file(), key
     assert record["checkpoints"]["count"] >= 1 and record["checkpoints"]["final_step"] == 300
+    scratch = estate["home"] / "scratch" / "onprem-a" / "checkpoints" / record["run_key"]
+    assert list(scratch.glob("step-000000300/MANIFEST.json")), "the final checkpoint is not on cluster scratch"
+    assert record["training"]["steps_trained"] == 300 and record["training"]["preemptions"] == 0
     assert record["gpu_hours"] > 0 and record["workers"] == 2
     assert record["compression"]["selected"] in ("int8", "fp16")
     rows, labels = _known_inputs(estate["home"])
@@ -107,7 +110,11 @@ def test_public_run_stages_data_and_replaces_the_served_version(estate):
     assert staged["objects_total"] == 2
     bucket = estate["home"] / "clouds" / "cloud-east" / "hf-cache-cloud-east"
     assert list(bucket.glob("datasets/digits/versions/*.json")), "no dataset manifest in the cloud cache"
-    assert list(bucket.glob(f"checkpoints/{record['run_key']}/step-*/COMMITTED.json")), "no checkpoints in the cache"
+    assert list(bucket.glob(f"checkpoints/{record['run_key']}/step-*/MANIFEST.json")), "no checkpoints in the cache"
+    # ... and replicated to private storage, the run's second place.
+    replica = estate["home"] / "private" / "checkpoints" / record["run_key"]
+    assert list(replica.glob("step-000000200/MANIFEST.json")), "the final checkpoint is not in private storage"
+    assert record["checkpoints"]["replica"] == replica.resolve().as_uri()
     rows, labels = _known_inputs(estate["home"])
     answer = _predict(estate["port"], rows)
     assert answer["version"] == record["model_version"] != before
@@ -125,7 +132,7 @@ def test_bad_trigger_input_is_refused_at_admit_and_nothing_runs(estate):
 
 
 def _committed_since(root: Path, since: float) -> list[Path]:
-    return [p for p in root.glob("*/step-*/COMMITTED.json") if p.stat().st_mtime >= since]
+    return [p for p in root.glob("*/step-*/MANIFEST.json") if p.stat().st_mtime >= since]
 
 
 def _worker_pids(spec_marker: str) -> list[int]:

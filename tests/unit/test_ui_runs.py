@@ -78,6 +78,29 @@ def test_run_page_after_the_record_shows_attempts_and_artefacts(settings, client
     assert body["placement"]["cluster"] == "onprem-a" and body["record"]["gpu_hours"] == 0.00702
 
 
+def test_run_page_shows_a_preempted_attempt_and_the_steps_it_cost(settings, client):
+    _placed_run(settings, {})
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    attempts = [
+        {"try_number": 1, "attempt": "try-1", "cluster": "onprem-a", "workers": 2, "started_at": "t1",
+         "seconds": 4.0, "outcome": "preempted", "start_step": 0, "last_step": 106, "last_committed_step": 106},
+        {"try_number": 1, "attempt": "try-1-relaunch-1", "cluster": "onprem-a", "workers": 2, "started_at": "t2",
+         "seconds": 9.0, "outcome": "succeeded", "start_step": 106, "last_step": 300, "last_committed_step": 300},
+    ]
+    (run_dir(settings.private_root, identity.run_key) / "train-attempts.json").write_text(json.dumps(attempts))
+    write_record(
+        settings.private_root,
+        {
+            "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
+            "checkpoints": {"count": 7, "resumed_from_step": 106, "final_step": 300},
+            "training": {"steps_trained": 300, "preemptions": 1, "steps_lost": 0},
+        },
+    )
+    html = client.get(f"/runs/hybrid_training/{RUN_ID}").text
+    assert "<td>try-1-relaunch-1</td>" in html and "<td>preempted</td><td>0</td><td>106</td><td>106</td>" in html
+    assert "300 steps trained, 1 preemptions, 0 steps redone" in html
+
+
 def test_unknown_run_says_so_and_markup_in_names_is_escaped(client):
     html = client.get("/runs/hybrid_training/<script>alert(1)</script>").text
     assert "<script>alert(1)" not in html and "&lt;script&gt;" in html

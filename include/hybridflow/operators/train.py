@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,13 @@ class GangTrainOperator(BaseOperator):
     """Run distributed training as a gang (all workers or none) and bring the model home.
 
     The gang job's name derives from the DAG run, so a retry or a cleared task takes the same slots
-    and the same checkpoint prefix, and resumes where the last committed checkpoint left off.
+    and the same checkpoint places, and resumes where the last committed checkpoint left off.
+
+    Preemption (a worker exits 75 after its final checkpoint: spot reclaim, eviction) is not an
+    application error: the task relaunches the gang itself, as a new attempt that resumes from that
+    checkpoint, up to ``training.preemption_retries`` times per task try. Application errors
+    (:class:`~hybridflow.backends.local.GangFailed`) raise and use the task's Airflow ``retries``.
+    ``on_kill`` (the task itself was stopped) stops the gang and is never relaunched.
     """
 
     template_fields: Sequence[str] = ("run", "placement", "staged")
@@ -31,13 +37,16 @@ class GangTrainOperator(BaseOperator):
         self.staged = staged
         self._job_name: str | None = None
         self._backend = None
+        self._killed = False
 
     def execute(self, context) -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+
         from hybridflow.admission import AdmittedRun
-        from hybridflow.backends.local import GangJob, LocalGangBackend
+        from hybridflow.backends.local import GangJob, GangPreempted, LocalGangBackend
         from hybridflow.config import load_estate
         from hybridflow.errors import GangError
-        from hybridflow.pipeline import cache_store_spec, checkpoint_store_spec
+        from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
         from hybridflow.settings import get_settings
         from hybridflow.storage.objectstore import open_store
 
@@ -51,14 +60,19 @@ class GangTrainOperator(BaseOperator):
             raise GangError(f"cluster {self.placement['cluster']!r} uses backend {cluster.backend!r}, not available here")
         run_key = self.run["run_key"]
         ckpt_spec = checkpoint_store_spec(run_key, cluster, settings)
+        replica_spec = checkpoint_replica_spec(run_key, cluster, settings)
         training_cfg = estate.pipeline.training
+        timer_s = training_cfg.interruptible_checkpoint_every_s if req.interruptible else None
         spec = {
             "run_key": run_key,
             "source": self.staged["source"],
             "checkpoint_store": ckpt_spec.to_dict(),
+            "checkpoint_replica": replica_spec.to_dict(),
             "train_steps": req.train_steps,
             "checkpoint_every_steps": req.checkpoint_every_steps,
-            "checkpoint_every_seconds": 300 if req.interruptible else None,
+            # Interruptible runs may be reclaimed at any time: also checkpoint on a timer.
+            "checkpoint_every_seconds": timer_s,
+            "preemption_grace_s": training_cfg.preemption_grace_s,
             "batch_size": training_cfg.batch_size,
             "learning_rate": training_cfg.learning_rate,
             "keep": training_cfg.checkpoint_keep,
@@ -67,38 +81,83 @@ class GangTrainOperator(BaseOperator):
         env = cache_store_spec(cluster).credential_env() if cluster.cache else {}
 
         self._job_name = f"train-{run_key}"
-        self._backend = LocalGangBackend(settings.state_dir, cluster.name, cluster.total_gpus)
-        attempts_path = run_dir(settings.private_root, run_key) / "train-attempts.json"
-        attempt = _start_attempt(attempts_path, identity.try_number, req.workers, cluster.name)
-        outcome = "failed"
-        try:
-            result = self._backend.run(
-                GangJob(
-                    name=self._job_name,
-                    workers=req.workers,
-                    spec=spec,
-                    env=env,
-                    attempt=f"try-{identity.try_number}",
-                ),
-                admission_timeout_s=training_cfg.gang_admission_timeout_s,
-                log=self.log,
-            )
-            outcome = "succeeded"
-        finally:
-            attempts = _finish_attempt(attempts_path, attempt, outcome)
-
+        # The launcher's SIGTERM -> SIGKILL grace is the workers' time to commit a final checkpoint.
+        self._backend = LocalGangBackend(
+            settings.state_dir, cluster.name, cluster.total_gpus, grace_s=training_cfg.preemption_grace_s
+        )
         store = open_store(ckpt_spec)
+        places = [store, open_store(replica_spec)]
+        attempts_path = run_dir(settings.private_root, run_key) / "train-attempts.json"
+        budget = training_cfg.preemption_retries
+        preemptions = 0
+        started = time.monotonic()
+        while True:
+            label = f"try-{identity.try_number}" + (f"-relaunch-{preemptions}" if preemptions else "")
+            attempt = _start_attempt(
+                attempts_path,
+                identity.try_number,
+                label,
+                req.workers,
+                cluster.name,
+                progress_of=lambda earlier: _progress(places, earlier, self.log),
+            )
+            outcome = "failed"
+            try:
+                self._backend.run(
+                    GangJob(
+                        name=self._job_name,
+                        workers=req.workers,
+                        spec={**spec, "attempt": label},
+                        env=env,
+                        attempt=label,
+                    ),
+                    admission_timeout_s=training_cfg.gang_admission_timeout_s,
+                    log=self.log,
+                )
+                outcome = "succeeded"
+            except GangPreempted:
+                # on_kill stops the gang with SIGTERM too; that exit is the task's, not a preemption.
+                outcome = "interrupted" if self._killed else "preempted"
+                if self._killed:
+                    raise
+            except BaseException:
+                if self._killed:
+                    outcome = "interrupted"
+                raise
+            finally:
+                attempts = _finish_attempt(attempts_path, attempt, outcome, _progress(places, label, self.log))
+            if outcome == "succeeded":
+                break
+            preemptions += 1
+            resume_at = attempts[-1].get("last_committed_step")
+            if preemptions > budget:
+                raise AirflowFailException(
+                    f"gang {self._job_name!r} was preempted {preemptions} times in this try, more than "
+                    f"training.preemption_retries = {budget} (config/pipeline.yaml). Its newest checkpoint "
+                    f"(step {resume_at}) is kept in {ckpt_spec.uri} and {replica_spec.uri}: clear the train "
+                    "task to resume from it, raise training.preemption_retries, or run on capacity that is "
+                    "not reclaimed (spot_allowed=false)"
+                )
+            self.log.warning(
+                "Gang %s was preempted (relaunch %d of at most %d); relaunching, it resumes from step %s",
+                self._job_name,
+                preemptions,
+                budget,
+                resume_at,
+            )
+
         summary = json.loads(store.get_bytes("result.json"))
         model_path = run_dir(settings.private_root, run_key) / "model" / "model.pt"
         model_path.parent.mkdir(parents=True, exist_ok=True)
         store.get_file("model/final.pt", model_path)
         gpu_seconds = sum(a["seconds"] * a["workers"] for a in attempts if a.get("seconds") is not None)
         self.log.info(
-            "Gang %s finished: steps %s..%s, %s checkpoints, model at %s",
+            "Gang %s finished: steps %s..%s, %s checkpoints, %d preemptions in this try, model at %s",
             self._job_name,
             summary["start_step"],
             summary["final_step"],
             summary["checkpoints_written"],
+            preemptions,
             model_path,
         )
         return {
@@ -106,18 +165,47 @@ class GangTrainOperator(BaseOperator):
             "cluster": cluster.name,
             "model_path": str(model_path),
             "checkpoint_store": ckpt_spec.uri,
+            "checkpoint_replica": replica_spec.uri,
             "checkpoints_written": summary["checkpoints_written"],
+            "checkpoint_blocked_s_mean": (summary.get("checkpoints") or {}).get("blocked_s_mean"),
             "start_step": summary["start_step"],
             "final_step": summary["final_step"],
             "final_loss": summary.get("final_loss"),
-            "seconds": round(result.seconds, 3),
+            "preemptions": preemptions,
+            "seconds": round(time.monotonic() - started, 3),
             "gpu_seconds": round(gpu_seconds, 3),
             "attempts": attempts,
         }
 
     def on_kill(self) -> None:
+        self._killed = True
         if self._backend is not None and self._job_name:
             self._backend.cancel(self._job_name)
+
+
+def _progress(places: list, label: str, log) -> dict:
+    """What an attempt achieved: its start and last step (from the gang's report in the primary
+    place, ``places[0]``) and the newest checkpoint committed in either place. Missing facts stay None (a killed gang reports no
+    last step); reading them never hides the attempt's own outcome."""
+    from hybridflow.training.checkpoint import CheckpointStore
+    from hybridflow.training.worker import attempt_status_key
+
+    out: dict = {"start_step": None, "last_step": None, "last_committed_step": None}
+    try:
+        status = json.loads(places[0].get_bytes(attempt_status_key(label)))
+        out.update({k: status.get(k) for k in ("start_step", "last_step", "sigterm_to_commit_s") if k in status})
+    except FileNotFoundError:
+        pass
+    except Exception as exc:
+        log.warning("could not read the gang's report of attempt %s: %s", label, exc)
+    committed: list[int] = []
+    for place in places:
+        try:
+            committed += CheckpointStore(place).committed_steps()
+        except Exception as exc:
+            log.warning("could not list checkpoints in %s: %s", place.uri, exc)
+    out["last_committed_step"] = max(committed, default=None)
+    return out
 
 
 def _read_attempts(path: Path) -> list[dict]:
@@ -128,7 +216,14 @@ def _write_attempts(path: Path, attempts: list[dict]) -> None:
     write_json_atomic(path, attempts)
 
 
-def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> dict:
+def _start_attempt(
+    path: Path,
+    try_number: int,
+    label: str,
+    workers: int,
+    cluster: str,
+    progress_of: Callable[[str], dict] | None = None,
+) -> dict:
     """Note the attempt before the gang starts, so a killed try still counts its GPU time."""
     attempts = _read_attempts(path)
     for earlier in attempts:
@@ -136,8 +231,11 @@ def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> d
             # That try's process died without finishing: it ran at least until this one started
             # (an upper bound; the gang backend stops orphaned workers on launcher death).
             earlier["outcome"] = "interrupted"
+            if progress_of is not None and earlier.get("attempt"):
+                earlier.update(progress_of(earlier["attempt"]))
     attempt = {
         "try_number": try_number,
+        "attempt": label,
         "cluster": cluster,
         "workers": workers,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -150,11 +248,12 @@ def _start_attempt(path: Path, try_number: int, workers: int, cluster: str) -> d
     return attempt
 
 
-def _finish_attempt(path: Path, attempt: dict, outcome: str) -> list[dict]:
+def _finish_attempt(path: Path, attempt: dict, outcome: str, progress: dict | None = None) -> list[dict]:
     attempts = _read_attempts(path)
     for a in attempts:
-        if a["started_at"] == attempt["started_at"] and a["try_number"] == attempt["try_number"]:
+        if a.get("attempt") == attempt["attempt"] and a["started_at"] == attempt["started_at"]:
             a["seconds"] = round(time.time() - attempt["_t0"], 3)
             a["outcome"] = outcome
+            a.update(progress or {})
     _write_attempts(path, attempts)
     return attempts

@@ -145,14 +145,17 @@ def render_run(view: dict[str, Any]) -> str:
     parts.append("<h2>Training attempts</h2>")
     if view["attempts"]:
         rows = "".join(
-            f"<tr><td>{_cell(a.get('try_number'))}</td><td>{_cell(a.get('cluster'))}</td>"
+            f"<tr><td>{_cell(a.get('attempt') or a.get('try_number'))}</td><td>{_cell(a.get('cluster'))}</td>"
             f"<td>{_cell(a.get('workers'))}</td><td>{_cell(a.get('started_at'))}</td>"
-            f"<td>{_cell(a.get('seconds'))}</td><td>{_cell(a.get('outcome'))}</td></tr>"
+            f"<td>{_cell(a.get('seconds'))}</td><td>{_cell(a.get('outcome'))}</td>"
+            f"<td>{_cell(a.get('start_step'))}</td><td>{_cell(a.get('last_step'))}</td>"
+            f"<td>{_cell(a.get('last_committed_step'))}</td></tr>"
             for a in view["attempts"]
         )
         parts.append(
-            "<table><tr><th>try</th><th>cluster</th><th>GPUs</th><th>started</th><th>seconds</th>"
-            f"<th>outcome</th></tr>{rows}</table>"
+            "<table><tr><th>attempt</th><th>cluster</th><th>GPUs</th><th>started</th><th>seconds</th>"
+            "<th>outcome</th><th>from step</th><th>last step</th><th>last checkpoint</th></tr>"
+            f"{rows}</table>"
         )
     else:
         parts.append("<p class='muted'>The train task has not started.</p>")
@@ -168,6 +171,12 @@ def render_run(view: dict[str, Any]) -> str:
                     ("GPU-hours", rec.get("gpu_hours")),
                     ("checkpoints", f"{ckpt.get('count')} written, resumed from step {ckpt.get('resumed_from_step')}, "
                                     f"final step {ckpt.get('final_step')}"),
+                    *(
+                        [("training", f"{training.get('steps_trained')} steps trained, {training.get('preemptions')} "
+                                      f"preemptions, {training.get('steps_lost')} steps redone")]
+                        if (training := rec.get("training"))
+                        else []
+                    ),
                     ("accuracy", rec.get("accuracy")),
                     ("compressed as", (rec.get("compression") or {}).get("selected")),
                     ("endpoint", rec.get("endpoint")),
