@@ -1,0 +1,649 @@
+"""Checkpoint fault drills with real worker processes: SIGKILL at random points of the checkpoint
+write (shards to S3, manifest, replica, pruning) and SIGTERM preemption through the train task.
+
+What "lost progress <= one checkpoint interval" means for asynchronous checkpoints, as checked here:
+a checkpoint's snapshot is taken at step s_k and committed W_k steps later (the in-flight window,
+which the worker logs for every commit). The next snapshot is due K steps later
+(``checkpoint_every_steps``) but waits for the write in flight, so snapshots are at most
+max(K, W + 1) steps apart; a kill just before the next commit lands therefore loses at most
+max(K, W + 1) + W steps, where W is the largest in-flight window of the run. Lost progress is the
+last step the killed worker logged as completed minus the step the next launch resumed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.backends.local import pid_alive
+from hybridflow.datasets import seed_digits
+from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec
+from hybridflow.storage.s3 import S3ObjectStore
+
+pytestmark = [pytest.mark.s3]
+
+INCLUDE = Path(__file__).resolve().parents[2] / "include"
+HIDDEN = 1024  # 4.8 MB of model + momentum per checkpoint: writing one takes longer than K steps of training
+EVERY = 25
+TRIALS = 20
+# Where each trial kills the worker: at a random time, or right after the log shows a phase began.
+TARGETS = [
+    ("random", None, 0.0),
+    ("upload", re.compile(r"writing shard model\.pt .* to s3://"), 0.03),
+    ("manifest", re.compile(r"writing manifest to s3://"), 0.0),
+    ("replica", re.compile(r"writing shard \S+ .* to file://"), 0.005),
+    ("random", None, 0.0),
+]
+STEP_RE = re.compile(r"INFO step (\d+)/")
+PHASE_RE = re.compile(
+    r"checkpoint step \d+: (serialising|writing shard|writing manifest|committed in|pruning)"
+)
+DONE_RE = re.compile(r"INFO checkpoint step (\d+) committed .* (\d+) steps trained meanwhile")
+RESUME_RE = re.compile(r"resuming from checkpoint step (\d+)|starting from step 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _phase(log: str) -> str:
+    """The checkpoint phase the worker was in when it died: the last phase its log shows begun."""
+    phase = "training"
+    for line in log.splitlines():
+        if DONE_RE.search(line):
+            phase = "training"  # that checkpoint is complete; nothing in flight
+            continue
+        m = PHASE_RE.search(line)
+        if not m:
+            continue
+        place = "primary" if "s3://" in line else "replica"
+        phase = {
+            "serialising": "serialise shards",
+            "writing shard": "primary shard upload" if place == "primary" else "replica shard write",
+            "writing manifest": f"{place} manifest write",
+            "committed in": "replica start" if place == "primary" else "pruning",
+            "pruning": "pruning",
+        }[m.group(1)]
+    return phase
+
+
+def _verified_steps(store) -> tuple[list[int], list[int]]:
+    """(steps whose manifest exists and whose every shard matches it, steps without a manifest),
+    checked independently of the checkpoint module."""
+    files: dict[int, dict[str, int]] = {}
+    for info in store.list("step-"):
+        step, _, name = info.key.partition("/")
+        files.setdefault(int(step.removeprefix("step-")), {})[name] = info.size
+    good, partial = [], []
+    for step, names in files.items():
+        if "MANIFEST.json" not in names:
+            partial.append(step)
+            continue
+        manifest = json.loads(store.get_bytes(f"step-{step:09d}/MANIFEST.json"))
+        if all(
+            hashlib.sha256(store.get_bytes(f"step-{step:09d}/{s['name']}")).hexdigest() == s["sha256"]
+            for s in manifest["shards"]
+        ):
+            good.append(step)
+    return sorted(good), sorted(partial)
+
+
+# Forks workers from a process that has already imported torch, pandas and boto3, so a trial costs
+# about a second instead of a five-second interpreter start. Everything from worker.main() on is the
+# real worker in its own process; the parent stays single-threaded and runs no torch op before fork.
+_FORKSERVER = r"""
+import json, os, sys
+import boto3, botocore.session, pandas, torch, torch.distributed, torch.nn.parallel
+from hybridflow.training import checkpointer, worker
+for line in sys.stdin:
+    req = json.loads(line)
+    if "wait" in req:
+        _, status = os.waitpid(req["wait"], 0)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.update(req["env"])
+            code = worker.main(["--spec", req["spec"]])
+        finally:
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+"""
+
+
+class _ForkServer:
+    def __init__(self, env: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _FORKSERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+
+    def call(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the fork server died"
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class _Worker:
+    """One rank-0 worker process (world size 1) writing its log to a file."""
+
+    def __init__(self, server: _ForkServer, spec: dict, workdir: Path, name: str) -> None:
+        self.server = server
+        self.log_path = workdir / f"{name}.log"
+        spec_path = workdir / f"{name}.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path.touch()
+        self._reader = open(self.log_path, errors="replace")  # noqa: SIM115 - closed in stop()
+        self.pid = server.call(
+            {"spec": str(spec_path), "log": str(self.log_path), "env": {"MASTER_PORT": str(_free_port())}}
+        )["pid"]
+        self.returncode: int | None = None
+        self.text = ""
+
+    def alive(self) -> bool:
+        return self.returncode is None and pid_alive(self.pid)
+
+    def read(self) -> str:
+        if not self._reader.closed:
+            self.text += self._reader.read()
+        return self.text
+
+    def wait_for(self, pattern: re.Pattern, timeout: float, after: int = 0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pattern.search(self.read(), after):
+                return True
+            if not self.alive():
+                return bool(pattern.search(self.read(), after))
+            time.sleep(0.001)
+        return False
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while pid_alive(self.pid) and time.monotonic() < deadline:  # a zombie counts as exited
+            time.sleep(0.05)
+        if pid_alive(self.pid):
+            self.kill()
+        if self.returncode is None:
+            self.returncode = self.server.call({"wait": self.pid})["code"]
+        return self.returncode
+
+    def stop(self) -> None:
+        if self.returncode is None:
+            if pid_alive(self.pid):
+                self.kill()
+            self.wait()
+        self.read()
+        self._reader.close()
+
+
+@pytest.fixture
+def s3_places(rclone_s3, tmp_path):
+    endpoint, access, secret, _ = rclone_s3
+    bucket = "checkpoint-faults"
+    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    primary = StoreSpec(
+        kind="s3", bucket=bucket, prefix=f"kill-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint
+    )
+    replica = StoreSpec(kind="local", root=str(tmp_path / "private" / "checkpoints"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(INCLUDE),
+        "PYTHONUNBUFFERED": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "HYBRIDFLOW_STORE_ACCESS_KEY": access,
+        "HYBRIDFLOW_STORE_SECRET_KEY": secret,
+        "HYBRIDFLOW_DEBUG_LOGGERS": "hybridflow.training",
+    }
+    stores = (
+        S3ObjectStore(
+            bucket, prefix=primary.prefix, endpoint_url=endpoint, access_key=access, secret_key=secret
+        ),
+        LocalObjectStore(Path(replica.root)),
+    )
+    server = _ForkServer(env)
+    try:
+        yield primary, replica, stores, server
+    finally:
+        server.close()
+
+
+def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tmp_path):
+    primary, replica, stores, server = s3_places
+    digits = seed_digits(tmp_path / "data")
+    spec = {
+        "run_key": "kill-drill",
+        "data": {"kind": "local", "path": str(digits.path)},
+        "checkpoint_store": primary.to_dict(),
+        "checkpoint_replica": replica.to_dict(),
+        "train_steps": 1_000_000,
+        "checkpoint_every_steps": EVERY,
+        "batch_size": 64,
+        "learning_rate": 0.05,
+        "keep": 2,
+        "log_every_steps": 1,
+        "hidden": HIDDEN,
+    }
+    rng = random.Random(1234)
+    trials: list[dict] = []
+    windows: list[int] = []
+    expected_resume = 0
+    started = time.monotonic()
+    for i in range(TRIALS):
+        target, pattern, max_delay = TARGETS[i % len(TARGETS)]
+        worker = _Worker(server, spec, tmp_path, f"trial-{i:02d}")
+        try:
+            assert worker.wait_for(STEP_RE, 60), (
+                f"trial {i}: no training step logged:\n{worker.read()[-3000:]}"
+            )
+            log = worker.read()
+            resumed = RESUME_RE.search(log)
+            assert resumed, log[-3000:]
+            # The worker resumed from the newest checkpoint that verifies in either place.
+            assert int(resumed.group(1) or 0) == expected_resume, (i, resumed.group(0), expected_resume)
+            mark = len(log)
+            if pattern is None:
+                time.sleep(rng.uniform(0.05, 0.8))
+            else:
+                assert worker.wait_for(pattern, 30, after=mark), f"trial {i}: {target} never began"
+                time.sleep(rng.uniform(0.0, max_delay))
+            assert worker.alive(), f"trial {i}: worker exited early:\n{worker.read()[-3000:]}"
+            worker.kill()
+            assert worker.wait() == -signal.SIGKILL
+        finally:
+            worker.stop()
+        log = worker.read()
+        last_step = max(int(s) for s in STEP_RE.findall(log))
+        windows += [int(w) for _, w in DONE_RE.findall(log)]
+        good_p, partial_p = _verified_steps(stores[0])
+        good_r, partial_r = _verified_steps(stores[1])
+        temp_files = [p.name for p in Path(replica.root).rglob(".*.part")]
+        expected_resume = max(good_p + good_r, default=0)
+        trials.append(
+            {
+                "trial": i,
+                "target": target,
+                "phase": _phase(log),
+                "last_step": last_step,
+                "resume": expected_resume,
+                "partial_primary": [s for s in partial_p if s > expected_resume],
+                "partial_replica": [s for s in partial_r if s > expected_resume],
+                "replica_temp_files": len(temp_files),
+            }
+        )
+
+    # One more launch: it must resume from the last kill's newest checkpoint and finish cleanly.
+    final_steps = expected_resume + 30
+    worker = _Worker(server, {**spec, "train_steps": final_steps}, tmp_path, "final")
+    try:
+        code = worker.wait()
+    finally:
+        worker.stop()
+    assert code == 0, worker.read()[-3000:]
+    assert f"resuming from checkpoint step {expected_resume}" in worker.read()
+    result = json.loads(stores[0].get_bytes("result.json"))
+    assert result["final_step"] == final_steps and result["start_step"] == expected_resume
+
+    # Resuming is exact, so the model after 20 kills equals, bit for bit, one trained without any.
+    reference = StoreSpec(kind="local", root=str(tmp_path / "reference"))
+    clean = {
+        **spec,
+        "train_steps": final_steps,
+        "checkpoint_store": reference.to_dict(),
+        "checkpoint_replica": None,
+    }
+    worker = _Worker(server, clean, tmp_path, "reference")
+    try:
+        code = worker.wait()
+    finally:
+        worker.stop()
+    assert code == 0, worker.read()[-3000:]
+    killed_model = torch.load(io.BytesIO(stores[0].get_bytes("model/final.pt")), weights_only=True)
+    clean_model = torch.load(
+        io.BytesIO(LocalObjectStore(Path(reference.root)).get_bytes("model/final.pt")), weights_only=True
+    )
+    assert killed_model.keys() == clean_model.keys()
+    assert all(torch.equal(killed_model[k], clean_model[k]) for k in clean_model)
+
+    w_max = max(windows)
+    bound = max(EVERY, w_max + 1) + w_max
+    lost = [t["last_step"] - t["resume"] for t in trials]
+    phases = Counter(t["phase"] for t in trials)
+    report = "\n".join(
+        f"  trial {t['trial']:2d} {t['target']:8s} killed in {t['phase']:22s} last step {t['last_step']:5d} "
+        f"resume {t['resume']:5d} lost {t['last_step'] - t['resume']:3d} partial newer: "
+        f"primary {t['partial_primary']} replica {t['partial_replica']} temp files {t['replica_temp_files']}"
+        for t in trials
+    )
+    print(
+        f"\n{TRIALS} SIGKILL trials in {time.monotonic() - started:.0f}s; K={EVERY} steps, largest in-flight "
+        f"window W={w_max} steps, bound max(K, W+1)+W={bound}; phases hit: {dict(phases)}; max lost {max(lost)}\n"
+        + report
+    )
+    assert all(0 <= n <= bound for n in lost), report
+    assert any(t["resume"] > 0 for t in trials)
+    # The drill reached the write phases it is about, and left partial checkpoints that were skipped.
+    assert phases["primary shard upload"] >= 1 and phases["replica shard write"] >= 1, dict(phases)
+    assert phases["primary manifest write"] + phases["replica manifest write"] >= 1, dict(phases)
+    assert any(t["partial_primary"] or t["partial_replica"] for t in trials), report
+
+
+def test_preemption_with_stalled_storage_exits_within_grace_and_resumes_from_the_last_commit(tmp_path):
+    """SIGTERM while the S3 endpoint hangs (SIGSTOP): the worker gives up on its final checkpoint
+    before the SIGKILL is due and still exits 75; the next launch resumes from the newest committed
+    checkpoint, and a SIGTERM with healthy storage commits the final checkpoint within the grace."""
+    from hybridflow.devenv.rclone import RcloneS3Server
+
+    grace = 4.0
+    access, secret = "hf-stall-access-key", "hf-stall-secret-key-0123"
+    server = RcloneS3Server(tmp_path / "s3", access, secret, log_path=tmp_path / "rclone.log").start()
+    forks = None
+    worker = None
+    try:
+        S3ObjectStore(
+            "stall", endpoint_url=server.endpoint_url, access_key=access, secret_key=secret
+        ).ensure_bucket()
+        primary = StoreSpec(kind="s3", bucket="stall", prefix="run", endpoint_url=server.endpoint_url)
+        replica = StoreSpec(kind="local", root=str(tmp_path / "replica"))
+        forks = _ForkServer(
+            {
+                **os.environ,
+                "PYTHONPATH": str(INCLUDE),
+                "PYTHONUNBUFFERED": "1",
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "HYBRIDFLOW_STORE_ACCESS_KEY": access,
+                "HYBRIDFLOW_STORE_SECRET_KEY": secret,
+            }
+        )
+        digits = seed_digits(tmp_path / "data")
+        spec = {
+            "run_key": "stall-drill",
+            "data": {"kind": "local", "path": str(digits.path)},
+            "checkpoint_store": primary.to_dict(),
+            "checkpoint_replica": replica.to_dict(),
+            "train_steps": 1_000_000,
+            "checkpoint_every_steps": EVERY,
+            "batch_size": 64,
+            "learning_rate": 0.05,
+            "keep": 2,
+            "log_every_steps": 1,
+            "hidden": HIDDEN,
+            "preemption_grace_s": grace,
+        }
+        worker = _Worker(forks, spec, tmp_path, "stalled")
+        assert worker.wait_for(DONE_RE, 60), worker.read()[-3000:]
+        os.kill(server.pid, signal.SIGSTOP)
+        sent = time.monotonic()
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=grace + 5) == 75, worker.read()[-3000:]
+        assert time.monotonic() - sent < grace
+        assert f"not committed within the {grace:g}s grace period" in worker.read()
+        os.kill(server.pid, signal.SIGCONT)
+        worker.stop()
+
+        stores = (
+            S3ObjectStore(
+                "stall", prefix="run", endpoint_url=server.endpoint_url, access_key=access, secret_key=secret
+            ),
+            LocalObjectStore(Path(replica.root)),
+        )
+        newest = max(_verified_steps(stores[0])[0] + _verified_steps(stores[1])[0])
+        worker = _Worker(forks, spec, tmp_path, "resumed")
+        assert worker.wait_for(STEP_RE, 60), worker.read()[-3000:]
+        assert f"resuming from checkpoint step {newest}" in worker.read()
+        sent = time.monotonic()
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(timeout=grace + 5) == 75, worker.read()[-3000:]
+        assert time.monotonic() - sent < grace
+        final = re.search(
+            r"preempted after step (\d+); final checkpoint committed ([\d.]+)s after SIGTERM", worker.read()
+        )
+        assert final and float(final.group(2)) < grace, worker.read()[-3000:]
+        assert int(final.group(1)) in _verified_steps(stores[0])[0]
+        assert int(final.group(1)) in _verified_steps(stores[1])[0]
+    finally:
+        if server.pid:
+            os.kill(server.pid, signal.SIGCONT)
+        if worker is not None:
+            worker.stop()
+        if forks is not None:
+            forks.close()
+        server.stop()
+
+
+# -- SIGTERM preemption through the train task ------------------------------------------------------
+
+GRACE_S = 20.0
+
+
+@pytest.fixture
+def train_home(tmp_path, monkeypatch):
+    """An isolated HYBRIDFLOW_HOME and config (small preemption budget and grace) with the digits set."""
+    import shutil
+
+    import yaml
+
+    from hybridflow.settings import REPO_ROOT
+
+    home, config = tmp_path / "home", tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", config)
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["training"].update(preemption_grace_s=GRACE_S, preemption_retries=1)
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    seed_digits(home / "private")
+    return home, config
+
+
+def _set_training(config: Path, **values) -> None:
+    import yaml
+
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["training"].update(values)
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+
+
+class _TrainTask:
+    """The train task as Airflow runs it: GangTrainOperator.execute in its own thread."""
+
+    def __init__(self, name: str, params: dict) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        from hybridflow import pipeline
+        from hybridflow.operators.train import GangTrainOperator
+        from hybridflow.runs import RunIdentity
+
+        self.identity = RunIdentity("hybrid_training", f"manual__{name}", 1)
+        self.run = pipeline.admit({"cluster_preference": "private", **params}, self.identity)
+        placement = pipeline.choose_cluster(self.run)
+        staged = pipeline.stage_data(self.run, placement)
+        self.op = GangTrainOperator(task_id="train", run=self.run, placement=placement, staged=staged)
+        self.context = {
+            "dag": SimpleNamespace(dag_id=self.identity.dag_id),
+            "run_id": self.identity.run_id,
+            "ti": SimpleNamespace(try_number=1),
+            "dag_run": SimpleNamespace(triggering_user_name="test"),
+        }
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._execute, daemon=True)
+
+    def _execute(self) -> None:
+        try:
+            self.result = self.op.execute(self.context)
+        except BaseException as exc:  # handed to the test thread
+            self.error = exc
+
+    @property
+    def run_key(self) -> str:
+        return self.run["run_key"]
+
+    def start(self) -> _TrainTask:
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float = 300) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the train task did not finish"
+
+
+def _gang_pids(job_dir: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(job_dir) in cmdline and "hybridflow.training.worker" in cmdline and pid_alive(int(proc.name)):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _wait_for_checkpoint(home: Path, task: _TrainTask, timeout: float = 120) -> None:
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    place = CheckpointStore(LocalObjectStore(home / "private" / "checkpoints" / task.run_key))
+    deadline = time.monotonic() + timeout
+    while not place.committed_steps():
+        assert task.thread.is_alive() and time.monotonic() < deadline, task.error
+        time.sleep(0.05)
+
+
+def _attempts(home: Path, run_key: str) -> list[dict]:
+    return json.loads((home / "private" / "runs" / run_key / "train-attempts.json").read_text())
+
+
+def test_sigterm_preemption_commits_within_grace_and_the_relaunch_resumes(train_home):
+    from hybridflow.admission import AdmittedRun
+    from hybridflow.records import build_record
+
+    home, _ = train_home
+    task = _TrainTask("preempt", {"train_steps": 1500, "checkpoint_every_steps": 100, "interruptible": True})
+    task.start()
+    gang = home / "state" / "jobs" / f"train-{task.run_key}"
+    try:
+        _wait_for_checkpoint(home, task)
+        victims = _gang_pids(gang / "try-1")
+        assert len(victims) == 2
+        # A spot reclaim: every worker of the gang gets SIGTERM at once.
+        sent = time.monotonic()
+        for pid in victims:
+            os.kill(pid, signal.SIGTERM)
+        while any(pid_alive(p) for p in victims):
+            assert time.monotonic() - sent < GRACE_S + 5, "preempted workers outlived the grace period"
+            time.sleep(0.02)
+        exited_after = time.monotonic() - sent
+        task.join()
+    finally:
+        for pid in _gang_pids(gang):
+            os.kill(pid, signal.SIGKILL)
+    assert task.error is None, task.error
+    result = task.result
+    assert exited_after < GRACE_S
+
+    first, second = result["attempts"]
+    assert (first["attempt"], first["outcome"]) == ("try-1", "preempted")
+    assert (second["attempt"], second["outcome"]) == ("try-1-relaunch-1", "succeeded")
+    # The final checkpoint is at the step the gang stopped after, committed inside the grace period,
+    # and the relaunch resumed from exactly that step.
+    assert first["last_step"] == first["last_committed_step"] == second["start_step"] > 0
+    assert 0 < first["sigterm_to_commit_s"] < GRACE_S
+    relaunch_log = (gang / "try-1-relaunch-1" / "rank-0.log").read_text()
+    assert f"resuming from checkpoint step {second['start_step']}" in relaunch_log
+    assert result["preemptions"] == 1 and result["final_step"] == 1500
+    assert result["start_step"] == second["start_step"]
+
+    record = build_record(AdmittedRun.from_xcom(task.run), task.identity, {"train": result})
+    training = record["training"]
+    assert training["preemptions"] == 1 and training["attempts"] == 2
+    assert training["steps_trained"] == record["checkpoints"]["final_step"] == 1500
+    assert training["steps_run"] == 1500 and training["steps_lost"] == 0  # nothing trained twice
+    assert [a["outcome"] for a in record["train_attempts"]] == ["preempted", "succeeded"]
+
+
+def test_preemptions_beyond_the_budget_fail_the_task_clearly(train_home):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    home, config = train_home
+    _set_training(config, preemption_retries=0)
+    task = _TrainTask("budget", {"train_steps": 5000, "checkpoint_every_steps": 100})
+    task.start()
+    gang = home / "state" / "jobs" / f"train-{task.run_key}"
+    try:
+        _wait_for_checkpoint(home, task)
+        for pid in _gang_pids(gang / "try-1"):
+            os.kill(pid, signal.SIGTERM)
+        task.join()
+    finally:
+        for pid in _gang_pids(gang):
+            os.kill(pid, signal.SIGKILL)
+    assert isinstance(task.error, AirflowFailException), task.error
+    message = str(task.error)
+    assert "preempted 1 times" in message and "training.preemption_retries = 0" in message
+    assert "clear the train task" in message
+    assert [a["outcome"] for a in _attempts(home, task.run_key)] == ["preempted"]
+    assert not (gang / "try-1-relaunch-1").exists()
+
+
+def test_on_kill_stops_the_gang_and_is_not_relaunched_as_a_preemption(train_home):
+    home, _ = train_home
+    task = _TrainTask("on-kill", {"train_steps": 5000, "checkpoint_every_steps": 100})
+    task.start()
+    gang = home / "state" / "jobs" / f"train-{task.run_key}"
+    try:
+        _wait_for_checkpoint(home, task)
+        task.op.on_kill()  # what Airflow calls when the task is stopped (marked failed, timeout)
+        task.join(60)
+    finally:
+        for pid in _gang_pids(gang):
+            os.kill(pid, signal.SIGKILL)
+    assert task.error is not None  # the task ends; it does not train on in a relaunched gang
+    assert not _gang_pids(gang)
+    attempts = _attempts(home, task.run_key)
+    assert [a["outcome"] for a in attempts] == ["interrupted"]
+    assert attempts[0]["last_committed_step"] > 0
+    assert not (gang / "try-1-relaunch-1").exists()
