@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hybridflow.config import Estate
 from hybridflow.datasets import resolve_dataset
 from hybridflow.errors import AdmissionError
+from hybridflow.gpumem import SHARDINGS, Optimizer, Precision, Sharding, estimate
 from hybridflow.params import PARAM_DEFAULTS
 
 __all__ = ["PARAM_DEFAULTS", "AdmittedRun", "RunRequest", "admit"]
@@ -24,6 +25,8 @@ Sensitivity = Literal["public", "internal", "restricted"]
 Priority = Literal["critical", "normal", "batch"]
 ClusterPreference = Literal["auto", "private", "public"]
 Compression = Literal["int8", "fp16", "best"]
+# The pipeline's built-in model (hybridflow.training.model, hidden=128): 64*128+128 + 128*64+64 + 64*10+10.
+BUILTIN_MODEL_PARAMS = 17_226
 
 
 class RunRequest(BaseModel):
@@ -40,6 +43,10 @@ class RunRequest(BaseModel):
     interruptible: bool = False
     spot_allowed: bool = False
     cluster_preference: ClusterPreference = "auto"
+    model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the pipeline's built-in model
+    precision: Precision = "fp32"
+    optimizer: Optimizer = "sgd_momentum"
+    sharding: Sharding = "none"
     train_steps: int = Field(default=300, ge=1, le=100_000)
     checkpoint_every_steps: int = Field(default=50, ge=1)
     compression: Compression = "best"  # best: try int8 and fp16, keep the smallest that passes
@@ -120,6 +127,8 @@ def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> Admitte
             "gpu_type",
             f"no cluster has {req.gpu_type} GPUs; use one of the models on offer: {', '.join(offered)}",
         )
+    _check_memory(req, estate.gpu_types[req.gpu_type].memory_gib, project.max_workers,
+                  estate.pipeline.admission.activation_headroom)
     if req.spot_allowed and not req.interruptible:
         raise AdmissionError(
             "spot_allowed",
@@ -139,6 +148,35 @@ def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> Admitte
         )
     dataset = resolve_dataset(req.dataset_uri, private_root)
     return AdmittedRun(**req.model_dump(), team=project.team, dataset_path=str(dataset.path))
+
+
+def _check_memory(req: RunRequest, gpu_memory_gib: float, quota: int, headroom: float) -> None:
+    """Refuse a gang whose model state cannot fit its GPUs, saying what would fit."""
+    params = int(req.model_params_b * 1e9) if req.model_params_b else BUILTIN_MODEL_PARAMS
+    est = estimate(params, precision=req.precision, optimizer=req.optimizer, sharding=req.sharding,
+                   workers=req.workers, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
+    if est.fits:
+        return
+    options = []
+    n = est.min_workers()
+    if n is not None and n <= quota:
+        options.append(f"workers={n}")
+    for s in SHARDINGS[SHARDINGS.index(req.sharding) + 1 :]:
+        m = est.min_workers(s)
+        if m is not None and m <= max(quota, req.workers):
+            options.append(f"sharding={s}" + ("" if m <= req.workers else f" with workers={m}"))
+    field = "workers" if options and options[0].startswith("workers=") else "sharding"
+    if not options:
+        half = "" if req.precision != "fp32" else "; bf16 halves weights and gradients"
+        raise AdmissionError(
+            "model_params_b",
+            f"does not fit: {est.explain()}. Even sharding zero3 over the project's quota of {quota} "
+            f"{req.gpu_type} GPUs is not enough; use a GPU type with more memory or a smaller model{half}",
+        )
+    raise AdmissionError(
+        field,
+        f"does not fit: {est.explain()}. What fits within the quota of {quota} GPUs: {' or '.join(options)}",
+    )
 
 
 def _parse(raw: Mapping[str, Any]) -> RunRequest:

@@ -162,6 +162,11 @@ class TrainingSettings(_Model):
     preemption_retries: int = Field(default=3, ge=0)
 
 
+class AdmissionSettings(_Model):
+    # Share of each GPU's memory left for activations and workspace by the memory check.
+    activation_headroom: float = Field(default=0.2, ge=0, lt=1)
+
+
 class EvaluationSettings(_Model):
     min_accuracy: float = Field(default=0.85, ge=0, le=1)
 
@@ -217,6 +222,7 @@ class PlacementSettings(_Model):
 
 
 class PipelineConfig(_Model):
+    admission: AdmissionSettings = AdmissionSettings()
     training: TrainingSettings = TrainingSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     compression: CompressionSettings = CompressionSettings()
