@@ -216,6 +216,9 @@ def test_one_crashing_worker_stops_the_gang(tmp_path, digits):
     assert err.value.rank == 1 and err.value.exit_code == 1
     assert "injected failure on rank 1 at step 5" in err.value.log_tail
     assert time.monotonic() - started < 60
+    # Rank 0 reports the attempt: it failed after the last step every rank finished.
+    report = json.loads(LocalObjectStore(tmp_path / "ckpt").get_bytes("attempts/1.json"))
+    assert (report["outcome"], report["start_step"], report["last_step"]) == ("failed", 0, 4)
     assert backend.pool.usage() == 0
     assert not _worker_pids_for(tmp_path / "state" / "jobs" / "crashy")
 

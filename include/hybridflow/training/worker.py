@@ -251,6 +251,7 @@ def train(spec: JobSpec, train_csv: bytes, rank: int, world_size: int, preemptio
         window_start, window_steps = started, 0
         preempted = False
         due = False
+        completed = start_step  # the last step every rank finished
 
         def state() -> dict:
             return {MODEL_SHARD: model.state_dict(), OPTIMIZER_SHARD: optimizer.state_dict()}
@@ -274,6 +275,7 @@ def train(spec: JobSpec, train_csv: bytes, rank: int, world_size: int, preemptio
                 dist.all_reduce(stats)
                 final_loss = stats[0].item() / world_size
                 preempted = stats[1].item() > 0
+                completed = step
                 window_steps += 1
 
                 if rank == 0 and (step % spec.log_every_steps == 0 or step == spec.train_steps):
@@ -322,7 +324,7 @@ def train(spec: JobSpec, train_csv: bytes, rank: int, world_size: int, preemptio
                     checkpointer.wait()
         except BaseException as exc:
             try:
-                report(outcome="failed", last_step=step, error=f"{type(exc).__name__}: {exc}")
+                report(outcome="failed", last_step=completed, error=f"{type(exc).__name__}: {exc}")
             except Exception:
                 log.exception("could not report the failed attempt")
             raise
