@@ -365,6 +365,47 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
     assert any(t["partial_primary"] or t["partial_replica"] for t in trials), report
 
 
+def test_losing_the_cache_bucket_resumes_from_private_storage(s3_places, tmp_path):
+    primary, replica, stores, server = s3_places
+    digits = seed_digits(tmp_path / "data")
+    spec = {
+        "run_key": "lost-cache",
+        "data": {"kind": "local", "path": str(digits.path)},
+        "checkpoint_store": primary.to_dict(),
+        "checkpoint_replica": replica.to_dict(),
+        "train_steps": 1_000_000,
+        "checkpoint_every_steps": EVERY,
+        "batch_size": 64,
+        "learning_rate": 0.05,
+        "keep": 2,
+        "log_every_steps": 1,
+        "hidden": HIDDEN,
+    }
+    worker = _Worker(server, spec, tmp_path, "before")
+    try:
+        assert worker.wait_for(re.compile(r"(?s)committed in file://.*committed in file://"), 60), (
+            worker.read()
+        )
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait() == 75, worker.read()[-3000:]
+    finally:
+        worker.stop()
+    final = int(re.search(r"preempted after step (\d+)", worker.read()).group(1))
+    assert final in _verified_steps(stores[0])[0] and final in _verified_steps(stores[1])[0]
+    for info in list(stores[0].list("")):  # the cloud cache loses everything of this run
+        stores[0].delete(info.key)
+
+    worker = _Worker(server, {**spec, "train_steps": final + 10}, tmp_path, "after")
+    try:
+        assert worker.wait() == 0, worker.read()[-3000:]
+    finally:
+        worker.stop()
+    assert f"resuming from checkpoint step {final} (file://" in worker.read()
+    result = json.loads(stores[0].get_bytes("result.json"))
+    assert (result["start_step"], result["final_step"]) == (final, final + 10)
+    assert final + 10 in _verified_steps(stores[0])[0]  # checkpoints land in the cache again
+
+
 def test_preemption_with_stalled_storage_exits_within_grace_and_resumes_from_the_last_commit(tmp_path):
     """SIGTERM while the S3 endpoint hangs (SIGSTOP): the worker gives up on its final checkpoint
     before the SIGKILL is due and still exits 75; the next launch resumes from the newest committed

@@ -27,6 +27,10 @@ A checkpoint is two shards, ``model.pt`` and ``optimizer.pt``, written by rank 0
 rank's replica identical) through :class:`~hybridflow.training.checkpointer.AsyncCheckpointer`: the
 training thread only copies tensors; serialising and uploading happen in the background.
 
+Environment: ``HYBRIDFLOW_WORKER_THREADS`` (intra-op threads, default 1), ``HYBRIDFLOW_DEBUG_LOGGERS``
+(comma-separated logger names logged at DEBUG, e.g. ``hybridflow.training`` for every shard and
+manifest write).
+
 Exit codes: 0 done, :data:`PREEMPTED_EXIT_CODE` after SIGTERM (state checkpointed, rerun to resume),
 1 anything else. Resuming is exact: batches are a pure function of (seed, step), so a run that
 resumes from step k sees the same data as one that never stopped.
