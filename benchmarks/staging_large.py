@@ -30,6 +30,7 @@ def main() -> int:
         src = bench.root / "src" / "weights"
         total = write_files(src, args.count, args.mib * MiB, per_dir=args.count)
         print(f"{args.count} x {args.mib} MiB = {total / MiB:.0f} MiB on {bench.endpoint} (2 cores, loopback)")
+        bench.warm_up(src)
         best: dict[str, Measured] = {}
 
         def keep(m: Measured) -> None:

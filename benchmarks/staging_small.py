@@ -43,6 +43,7 @@ def main() -> int:
         total = write_files(src, args.count, args.kib * 1024)
         ds = DatasetRef(uri=f"file://{src}", path=src)
         print(f"{args.count} x {args.kib} KiB = {total / MiB:.0f} MiB on {bench.endpoint} (2 cores, loopback)")
+        bench.warm_up(src)
         best: dict[str, Measured] = {}
         reads: dict[str, tuple[int, float]] = {}
 

@@ -192,6 +192,7 @@ class StagingConfig(_Model):
     workers: int = Field(default=16, ge=1, le=256)  # requests in flight
     part_size_mib: int = Field(default=16, ge=5, le=5120)  # S3 parts are 5 MiB..5 GiB
     multipart_threshold_mib: int = Field(default=64, ge=5)
+    max_inflight_mib: int = Field(default=128, ge=1)  # bytes read but not yet stored: memory bound
     pack_small_files: Literal["auto", "always", "never"] = "auto"
     pack_below_kib: int = Field(default=1024, ge=1)  # files smaller than this may go into shards
     pack_min_files: int = Field(default=256, ge=1)  # auto packs only datasets with this many small files

@@ -70,6 +70,7 @@ class StagingSettings:
                 workers=cfg.workers,
                 multipart_threshold=cfg.multipart_threshold_mib * _MiB,
                 part_size=cfg.part_size_mib * _MiB,
+                max_inflight_bytes=cfg.max_inflight_mib * _MiB,
                 sha256_header=cfg.sha256_header,
                 progress_every_s=cfg.progress_every_s,
                 abandoned_upload_age_s=cfg.abandoned_upload_age_h * 3600.0,
@@ -356,7 +357,8 @@ def stage_dataset(
             f = blob.file
             items.append(UploadItem(
                 key=blob.key, size=f.size, sha256=f.sha256, md5=f.md5, label=f.rel,
-                read=lambda off, n, rel=f.rel: source.read(rel, off, n), metadata={"sha256": f.sha256},
+                read=lambda off, n, rel=f.rel: source.read(rel, off, n), readinto=_readinto(source, f.rel),
+                metadata={"sha256": f.sha256},
             ))
         else:
             items.append(_shard_item(name, blob.shard, source, stager))
@@ -488,8 +490,13 @@ def _deferred_item(name: str, f: SourceFile, source: DatasetSource, index: HashI
 
     return UploadItem(
         key="", size=f.size, sha256="", md5=None, digest=digest, label=f.rel,
-        read=lambda off, n, rel=f.rel: source.read(rel, off, n),
+        read=lambda off, n, rel=f.rel: source.read(rel, off, n), readinto=_readinto(source, f.rel),
     )
+
+
+def _readinto(source: DatasetSource, rel: str):
+    fill = getattr(source, "readinto", None)
+    return (lambda off, buf: fill(rel, off, buf)) if fill else None
 
 
 def _shard_item(name: str, plan: ShardPlan, source: DatasetSource, stager: _Stager) -> UploadItem:

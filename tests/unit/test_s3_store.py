@@ -282,9 +282,24 @@ def test_server_stop_terminates_only_its_own_process(tmp_path, rclone_s3, s3_arg
     assert session.ensure_bucket() is True
 
 
-def test_verified_put_carries_checksums_and_a_mangled_body_is_refused(store):
-    from botocore.exceptions import ClientError
+def _corrupt_bodies(client, op: str) -> None:
+    """Flip a byte of every request body after it was checksummed and signed: what a broken link,
+    proxy or store would do."""
 
+    def corrupt(request, **kwargs) -> None:
+        body = request.body
+        if hasattr(body, "read"):
+            body.seek(0)
+            body = body.read()
+        if isinstance(body, bytes | bytearray) and len(body) > 100:
+            b = bytearray(body)
+            b[50] ^= 1
+            request.body = bytes(b)
+
+    client.meta.events.register(f"before-send.s3.{op}", corrupt)
+
+
+def test_verified_put_carries_a_checksum_and_checks_the_etag(store):
     from hybridflow.storage.s3 import _check_etag
 
     sent = []
@@ -293,11 +308,49 @@ def test_verified_put_carries_checksums_and_a_mangled_body_is_refused(store):
     md5, sha = hashlib.md5(data).hexdigest(), hashlib.sha256(data).hexdigest()
     assert store.put_verified("v/ok", data, md5=md5, sha256=sha) == md5
     headers = {k.lower(): v for k, v in sent[-1].items()}
-    assert "content-md5" in headers and "x-amz-checksum-sha256" in headers
+    assert "x-amz-checksum-sha256" in headers and "content-md5" not in headers
     assert "expect" not in headers  # no 100-continue round trip per object
-    with pytest.raises(ClientError, match="BadDigest"):  # the store checks Content-MD5
-        store.put_verified("v/bad", data, md5=hashlib.md5(b"other").hexdigest())
-    assert store.stat("v/bad") is None
+    store.put_bytes("v/crc", data)
+    assert "x-amz-checksum-crc32c" in {k.lower() for k in sent[-1]}
     with pytest.raises(ValueError, match="the bytes were changed"):
         _check_etag('"' + "0" * 32 + '"', md5, "v/x")
-    assert _check_etag('"abc-3"', md5, "v/x") == "abc-3"  # not an MD5 (multipart, SSE-KMS): left to Content-MD5
+    assert _check_etag('"abc-3"', md5, "v/x") == "abc-3"  # not an MD5 (multipart, SSE-KMS)
+
+
+def test_bytes_changed_on_the_way_are_caught_with_or_without_content_md5(s3_args):
+    from botocore.exceptions import ClientError
+
+    data = os.urandom(10_000)
+    md5 = hashlib.md5(data).hexdigest()
+    plain = S3ObjectStore(_bucket(), **s3_args)
+    plain.ensure_bucket()
+    _corrupt_bodies(plain.client, "PutObject")
+    with pytest.raises(ValueError, match="the bytes were changed"):  # the store's ETag gives it away
+        plain.put_verified("x", data, md5=md5)
+    strict = S3ObjectStore(_bucket(), content_md5=True, **s3_args)
+    strict.ensure_bucket()
+    _corrupt_bodies(strict.client, "PutObject")
+    with pytest.raises(ClientError, match="BadDigest"):  # the store refuses it
+        strict.put_verified("x", data, md5=md5)
+    assert strict.stat("x") is None
+    mp = S3ObjectStore(_bucket(), **s3_args)
+    mp.ensure_bucket()
+    _corrupt_bodies(mp.client, "UploadPart")
+    upload = mp.start_multipart("big")
+    part = os.urandom(5 << 20)
+    with pytest.raises(ValueError, match="part 1"):
+        mp.upload_part("big", upload, 1, part, md5=hashlib.md5(part).hexdigest())
+
+
+def test_a_store_whose_etags_are_not_md5s_gets_content_md5(store):
+    def kms_like(parsed, **kwargs) -> None:
+        if "ETag" in parsed:
+            parsed["ETag"] = '"0f1e2d-kms"'
+
+    store.client.meta.events.register("after-call.s3.PutObject", kms_like)
+    sent = []
+    store.client.meta.events.register("before-send.s3.PutObject", lambda request, **kw: sent.append(dict(request.headers)))
+    data = b"x" * 1000
+    store.put_verified("k", data, md5=hashlib.md5(data).hexdigest())
+    assert store.content_md5 is True
+    assert ["content-md5" in {k.lower() for k in h} for h in sent] == [False, True]  # sent again, checked

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hybridflow.storage.objectstore import ObjectInfo, StoreSpec
 
@@ -90,6 +91,7 @@ class S3ObjectStore:
         multipart_chunksize: int = 16 * _MiB,
         max_concurrency: int = 4,
         max_pool_connections: int = 32,
+        content_md5: bool = False,
     ) -> None:
         if not bucket:
             raise ValueError("S3ObjectStore needs a bucket name")
@@ -113,6 +115,10 @@ class S3ObjectStore:
         self._client_lock = threading.Lock()
         # None: not known yet; False: the endpoint rejected If-None-Match, send plain PUTs.
         self._conditional_put: bool | None = None
+        # Content-MD5 on every write (see _put); switched on by itself for stores whose ETags are
+        # not MD5s, or for multipart stores that refuse part checksums.
+        self.content_md5 = content_md5
+        self._part_checksums: bool | None = None
 
     @classmethod
     def from_spec(cls, spec: StoreSpec, **kwargs: Any) -> S3ObjectStore:
@@ -170,8 +176,11 @@ class S3ObjectStore:
             connect_timeout=self._connect_timeout,
             read_timeout=self._read_timeout,
             retries={"max_attempts": self._max_attempts, "mode": "standard"},
-            # Path-style: rclone/MinIO on an IP:port cannot serve virtual-host buckets.
-            s3={"addressing_style": "path"},
+            # Path-style: rclone/MinIO on an IP:port cannot serve virtual-host buckets. No SigV4
+            # payload hash: every PUT here carries Content-MD5 instead (which stores do check;
+            # rclone does not check the signed payload hash), and over plain HTTP botocore would
+            # otherwise SHA-256 every byte a second time.
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
             request_checksum_calculation=self._checksums,
             response_checksum_validation=self._checksums,
             max_pool_connections=self._max_pool_connections,
@@ -245,19 +254,17 @@ class S3ObjectStore:
     # -- ObjectStore ---------------------------------------------------------------------------
 
     def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None) -> None:
-        self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data, **self._extra_args(metadata)
-        )
+        self.put_verified(key, data, md5=_md5_hex(data), metadata=metadata)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError
 
         if self.exists(key):
             return False
-        full = self._key(key)
+        md5 = _md5_hex(data)
         if self._conditional_put is not False:
             try:
-                self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+                self._put(key, data, md5=md5, extra={"IfNoneMatch": "*"})
                 self._conditional_put = True
                 return True
             except ClientError as exc:
@@ -267,26 +274,36 @@ class S3ObjectStore:
                 if code not in _NOT_SUPPORTED and _status(exc) != 501:
                     raise
                 self._conditional_put = False
-        self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
+        self._put(key, data, md5=md5)
         return True
 
     def put_file(self, key: str, path: Path, *, metadata: dict[str, str] | None = None) -> None:
-        self.client.upload_file(
-            str(path),
-            self.bucket,
-            self._key(key),
-            ExtraArgs=self._extra_args(metadata),
-            Config=self.transfer_config,
-        )
+        """Upload a file with the same checks as staging: Content-MD5 on every request, and a
+        multipart upload in verified parts above the multipart threshold."""
+        import hashlib
 
-    def put_fileobj(self, key: str, fileobj: IO[bytes], *, metadata: dict[str, str] | None = None) -> None:
-        self.client.upload_fileobj(
-            fileobj,
-            self.bucket,
-            self._key(key),
-            ExtraArgs=self._extra_args(metadata),
-            Config=self.transfer_config,
+        from hybridflow.storage.transfer import TransferSettings, Uploader, UploadItem
+
+        path = Path(path)
+        size = path.stat().st_size
+
+        def read(offset: int, length: int) -> bytes:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                return fh.read(length)
+
+        md5 = None
+        if size <= self._multipart_threshold:
+            md5 = hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()
+        settings = TransferSettings(
+            workers=max(1, self._max_concurrency),
+            multipart_threshold=self._multipart_threshold,
+            part_size=max(5 * _MiB, self._multipart_chunksize),
+            sha256_header=False,
         )
+        item = UploadItem(key=key, size=size, sha256="", md5=md5, read=read, label=str(path),
+                          metadata=dict(metadata or {}))
+        Uploader(self, settings).upload([item], uploads_prefix=key)
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
@@ -329,48 +346,88 @@ class S3ObjectStore:
                 raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
             raise
 
-    # -- verified uploads (staging) -------------------------------------------------------------
-    # Every request carries Content-MD5, which every S3-compatible store checks (rclone v1.75.2
-    # accepts x-amz-checksum-* headers but does not verify them), and optionally the SHA-256 as
-    # x-amz-checksum-sha256 for stores that do (AWS, MinIO). The returned ETag is then compared
-    # with the MD5 the caller computed, so a store that mangled the bytes is caught either way.
+    # -- verified uploads ------------------------------------------------------------------------
+    # Every write carries a checksum header the store can check (x-amz-checksum-sha256 where the
+    # SHA-256 is known anyway, x-amz-checksum-crc32c otherwise: AWS, MinIO and Ceph verify them),
+    # and every answer's ETag is compared with the MD5 computed here, which catches a store that
+    # got other bytes even where it checks no header (rclone v1.75.2 ignores x-amz-checksum-*).
+    # Content-MD5 is sent only where ETags cannot vouch (SSE-KMS) or when asked for: with it,
+    # rclone hashes every byte a second time, which cost ~30 % of throughput on 2 cores.
+
+    def _put(
+        self, key: str, data, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = dict(extra or {})
+        if sha256:
+            kwargs["ChecksumSHA256"] = _b64(sha256)
+        else:
+            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+        if self.content_md5:
+            kwargs["ContentMD5"] = _b64(md5)
+        response = self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, **kwargs, **self._extra_args(metadata)
+        )
+        etag = _clean_etag(response.get("ETag")) or ""
+        if not self.content_md5 and not _is_md5_etag(etag):
+            # This store's ETags are not MD5s: send this object again under Content-MD5 so the store
+            # itself checks it, and every later one too.
+            self.content_md5 = True
+            return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata, extra=extra)
+        return _check_etag(etag, md5, key)
 
     def put_verified(
         self, key: str, data: bytes, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
     ) -> str:
-        """PutObject with checksums; returns the ETag. Raises ValueError if the store's ETag
-        contradicts ``md5``."""
-        kwargs: dict[str, Any] = {"ContentMD5": _b64(md5)}
-        if sha256:
-            kwargs["ChecksumSHA256"] = _b64(sha256)
-        response = self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data, **kwargs, **self._extra_args(metadata)
-        )
-        return _check_etag(response.get("ETag"), md5, key)
+        """PutObject with a checksum header; returns the ETag. Raises ValueError if the store's
+        ETag contradicts ``md5``."""
+        return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata)
 
     def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
-        response = self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=self._key(key), **self._extra_args(metadata)
-        )
-        return response["UploadId"]
+        from botocore.exceptions import ClientError
 
-    def upload_part(self, key: str, upload_id: str, number: int, data: bytes, *, md5: str) -> str:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), **self._extra_args(metadata)}
+        if self._part_checksums is not False:
+            try:
+                upload_id = self.client.create_multipart_upload(**kwargs, ChecksumAlgorithm="CRC32C")["UploadId"]
+                self._part_checksums = True
+                return upload_id
+            except ClientError as exc:
+                if _error_code(exc) not in ("InvalidArgument", "InvalidRequest", "NotImplemented", "501"):
+                    raise
+                self._part_checksums = False  # an older store: parts go up with Content-MD5 alone
+                self.content_md5 = True
+        return self.client.create_multipart_upload(**kwargs)["UploadId"]
+
+    def upload_part(self, key: str, upload_id: str, number: int, data, *, md5: str) -> PartReceipt:
+        """Upload one part (``data``: bytes, or a seekable file botocore can re-read on retry)."""
+        kwargs: dict[str, Any] = {}
+        crc = None
+        if self._part_checksums is not False:
+            crc = _crc32c_b64(data)
+            kwargs["ChecksumCRC32C"] = crc
+        if self.content_md5:
+            kwargs["ContentMD5"] = _b64(md5)
+        if hasattr(data, "seek"):
+            data.seek(0)
         response = self.client.upload_part(
-            Bucket=self.bucket,
-            Key=self._key(key),
-            UploadId=upload_id,
-            PartNumber=number,
-            Body=data,
-            ContentMD5=_b64(md5),
+            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number, Body=data, **kwargs
         )
-        return _check_etag(response.get("ETag"), md5, f"{key} part {number}")
+        etag = _clean_etag(response.get("ETag")) or ""
+        if not self.content_md5 and not _is_md5_etag(etag):
+            self.content_md5 = True
+            return self.upload_part(key, upload_id, number, data, md5=md5)
+        return PartReceipt(_check_etag(etag, md5, f"{key} part {number}"), crc)
 
-    def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> str:
+    def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, PartReceipt]]) -> str:
+        listed = []
+        for n, receipt in sorted(parts):
+            part: dict[str, Any] = {"PartNumber": n, "ETag": f'"{receipt.etag}"'}
+            if receipt.crc32c:
+                part["ChecksumCRC32C"] = receipt.crc32c
+            listed.append(part)
         response = self.client.complete_multipart_upload(
-            Bucket=self.bucket,
-            Key=self._key(key),
-            UploadId=upload_id,
-            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": f'"{etag}"'} for n, etag in sorted(parts)]},
+            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, MultipartUpload={"Parts": listed}
         )
         return _clean_etag(response.get("ETag")) or ""
 
@@ -409,13 +466,14 @@ class S3ObjectStore:
                 )
         return found
 
-    def uploaded_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
-        """part number -> (size, ETag) of the parts a store holds for an unfinished upload."""
-        parts: dict[int, tuple[int, str]] = {}
+    def uploaded_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, PartReceipt]]:
+        """part number -> (size, receipt) of the parts a store holds for an unfinished upload."""
+        parts: dict[int, tuple[int, PartReceipt]] = {}
         paginator = self.client.get_paginator("list_parts")
         for page in paginator.paginate(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id):
             for part in page.get("Parts", []):
-                parts[int(part["PartNumber"])] = (int(part["Size"]), _clean_etag(part.get("ETag")) or "")
+                receipt = PartReceipt(_clean_etag(part.get("ETag")) or "", part.get("ChecksumCRC32C"))
+                parts[int(part["PartNumber"])] = (int(part["Size"]), receipt)
         return parts
 
     def stat(self, key: str) -> ObjectInfo | None:
@@ -464,10 +522,40 @@ class S3ObjectStore:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
 
+def _md5_hex(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
 def _b64(hex_digest: str) -> str:
     import base64
 
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
+
+
+@dataclass(frozen=True)
+class PartReceipt:
+    """What the store answered for one uploaded part: its ETag and the CRC32C we sent with it
+    (CompleteMultipartUpload names both)."""
+
+    etag: str
+    crc32c: str | None = None
+
+
+def _crc32c_b64(data) -> str:
+    import base64
+    import struct
+
+    import crc32c
+
+    if hasattr(data, "getbuffer"):
+        data = data.getbuffer()
+    return base64.b64encode(struct.pack(">I", crc32c.crc32c(data))).decode()
+
+
+def _is_md5_etag(etag: str) -> bool:
+    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag.lower())
 
 
 def _check_etag(etag: str | None, md5: str, what: str) -> str:

@@ -133,6 +133,14 @@ class LocalFolderSource:
         index.record(f.rel, list(f.identity), digest, hashed_at)
         return digest
 
+    def readinto(self, rel: str, offset: int, buf) -> int:
+        with open(self.path / rel, "rb", buffering=0) as fh:
+            fh.seek(offset)
+            view, got = memoryview(buf), 0
+            while got < len(view) and (n := fh.readinto(view[got:])):
+                got += n
+            return got
+
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
         with open(self.path / rel, "rb") as fh:
             if offset:
