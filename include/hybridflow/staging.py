@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -35,7 +36,7 @@ from typing import Any, Literal
 
 from hybridflow.datasets import DatasetRef
 from hybridflow.errors import SovereigntyError, StagingError
-from hybridflow.storage.hashindex import HashIndex, ShardDigest
+from hybridflow.storage.hashindex import FileDigest, HashIndex, ShardDigest
 from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
 from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
 from hybridflow.storage.shards import Member, ShardPlan, build_shard, plan_shards, shard_offsets
@@ -195,6 +196,8 @@ class _Stager:
         self.source, self.target, self.settings, self.log, self.index = source, target, settings, log, index
         self.name = source.name
         self._previous: DatasetManifest | None | bool = False  # False: not looked up yet
+        self.repaired = 0  # bad blobs found only once built or hashed on the way (see stored)
+        self.lock = threading.Lock()
 
     # -- what was verified before ------------------------------------------------------------------
     def previous_manifest(self) -> DatasetManifest | None:
@@ -260,12 +263,18 @@ class _Stager:
     def stored(self, existing: dict[str, ObjectInfo], recorded: dict[str, str]):
         """For built shards: the ETag if ``key`` is already stored with these bytes."""
 
-        def check(key: str, sha256: str, md5: str) -> str | None:
+        def check(key: str, sha256: str, md5: str | None) -> str | None:
             info = existing.get(key)
             if info is None:
                 return None
             blob = _Blob(key=key, size=info.size, sha256=sha256, md5=md5)
-            return (info.etag or md5) if self.problem(blob, info, recorded) is None else None
+            problem = self.problem(blob, info, recorded)
+            if problem is None:
+                return info.etag or md5
+            with self.lock:
+                self.repaired += 1
+            self.log.warning("blob %s in %s is bad (%s); re-copying it", key, self.target.uri, problem)
+            return None
 
         return check
 
@@ -301,10 +310,14 @@ def stage_dataset(
     name = source.name
     index = HashIndex(index_path)
     tuning = settings.transfer
-    # Big files the index does not know are hashed on their way up (their parts start moving as
-    # soon as each file is hashed), not in a pass over the whole dataset first.
+    # Files the index does not know are read once: big ones are hashed on their way up (their
+    # parts start moving as soon as each file is hashed), small ones going into shards while they
+    # are packed; only files sent on their own are hashed in the scan.
     big = tuning.multipart_threshold
-    files = source.scan(index, md5_max_size=big, workers=settings.hash_workers, defer_above=big)
+    files = source.scan(
+        index, md5_max_size=big, workers=settings.hash_workers,
+        defer=lambda fs: {f.rel for f in fs if f.size > big} | _packed(fs, settings),
+    )
     if not files:
         raise StagingError(f"dataset {source.uri} holds no files; nothing to stage")
     log.info(
@@ -313,30 +326,29 @@ def stage_dataset(
     )
     stager = _Stager(source, target, settings, log, index)
 
-    small = [f for f in files if f.size < settings.pack_below]
-    pack = bool(small) and (settings.pack == "always" or (settings.pack == "auto" and len(small) >= settings.pack_min_files))
-    packed = {f.rel for f in small} if pack else set()
+    packed = _packed(files, settings)
     plans = (
         plan_shards(
-            [Member(f.rel, f.size, f.sha256) for f in small],
+            [Member(f.rel, f.size, f.sha256) for f in files if f.rel in packed],
             target_size=settings.shard_target,
             max_size=settings.shard_max,
         )
-        if pack
+        if packed
         else []
     )
+    by_rel = {f.rel: f for f in files}
 
     blobs: dict[str, _Blob] = {}
-    deferred = [f for f in files if not f.hashed]
+    deferred = [f for f in files if not f.hashed and f.rel not in packed]
     for f in files:
         if f.rel not in packed and f.hashed:
             key = blob_key(name, f.sha256)
             blobs.setdefault(key, _Blob(key=key, size=f.size, sha256=f.sha256, md5=f.md5, file=f))
-    unknown_shards: list[ShardPlan] = []
-    for plan in plans:
-        digest = stager.shard_digest(plan)
+    unknown_shards: list[int] = []  # plans to pack before their key is known
+    for i, plan in enumerate(plans):
+        digest = stager.shard_digest(plan) if plan.hashed else None
         if digest is None:
-            unknown_shards.append(plan)
+            unknown_shards.append(i)
         else:
             key = blob_key(name, digest.sha256)
             blobs.setdefault(key, _Blob(key=key, size=digest.size, sha256=digest.sha256, md5=digest.md5, shard=plan))
@@ -361,8 +373,8 @@ def stage_dataset(
                 metadata={"sha256": f.sha256},
             ))
         else:
-            items.append(_shard_item(name, blob.shard, source, stager))
-    items.extend(_shard_item(name, plan, source, stager) for plan in unknown_shards)
+            items.append(_shard_item(name, plans.index(blob.shard), blob.shard, source, by_rel, index))
+    items.extend(_shard_item(name, i, plans[i], source, by_rel, index) for i in unknown_shards)
     items.extend(_deferred_item(name, f, source, index, big) for f in deferred)
 
     uploaded: list[Uploaded] = []
@@ -390,14 +402,16 @@ def stage_dataset(
     for blob in blobs.values():
         if blob.shard is not None:
             shard_keys[blob.shard.members_digest] = blob
+    hashed_late = {u.label: u.sha256 for u in uploaded if not u.label.startswith("shard:")}
     for u in uploaded:
         if u.label.startswith("shard:"):
-            md = u.label.removeprefix("shard:")
-            plan = next(p for p in plans if p.members_digest == md)
-            shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=u.sha256, md5=u.md5, shard=plan)
+            i = int(u.label.removeprefix("shard:"))
+            plans[i] = ShardPlan(tuple(Member(m.path, m.size, by_rel[m.path].sha256 or _packed_sha(u, m.path))
+                                       for m in plans[i].members))
+            md = plans[i].members_digest
+            shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=u.sha256, md5=u.md5, shard=plans[i])
             index.record_shard(md, ShardDigest(size=u.size, sha256=u.sha256, md5=u.md5))
-
-    hashed_late = {u.label: u.sha256 for u in uploaded if not u.label.startswith("shard:")}
+            hashed_late.update((m.path, m.sha256) for m in plans[i].members)
     files = [f if f.hashed else replace(f, sha256=hashed_late[f.rel]) for f in files]
     entries: list[ManifestEntry] = []
     records: dict[str, BlobRecord] = {}
@@ -464,7 +478,7 @@ def stage_dataset(
         blobs_total=len(records),
         files_packed=len(packed),
         shards=len(plans),
-        repaired=repaired,
+        repaired=repaired + stager.repaired,
         resumed_parts=sum(u.resumed_parts for u in uploaded),
         files_read=index.misses,
         manifest_created=created,
@@ -499,14 +513,34 @@ def _readinto(source: DatasetSource, rel: str):
     return (lambda off, buf: fill(rel, off, buf)) if fill else None
 
 
-def _shard_item(name: str, plan: ShardPlan, source: DatasetSource, stager: _Stager) -> UploadItem:
+def _packed(files: list[SourceFile], settings: StagingSettings) -> set[str]:
+    """The files that go into shards: the small ones, when the dataset has enough of them."""
+    small = [f.rel for f in files if f.size < settings.pack_below]
+    if small and (settings.pack == "always" or (settings.pack == "auto" and len(small) >= settings.pack_min_files)):
+        return set(small)
+    return set()
+
+
+def _packed_sha(u: Uploaded, path: str) -> str:
+    return u.members[path]
+
+
+def _shard_item(name: str, number: int, plan: ShardPlan, source: DatasetSource, by_rel: dict[str, SourceFile],
+                index: HashIndex) -> UploadItem:
+    members: dict[str, str] = {}
+
     def build() -> tuple[str, bytes, str, str]:
-        data, _ = build_shard(plan, lambda rel: source.read(rel))
+        started = time.time_ns()
+        data, hashed = build_shard(plan, lambda rel: source.read(rel))
+        for m in hashed.members:
+            f = by_rel[m.path]
+            members[m.path] = m.sha256
+            if not f.hashed:  # hashed while packed: remembered like any other file's digests
+                index.record(f.rel, list(f.identity), FileDigest(size=f.size, sha256=m.sha256, md5=None), started)
         sha = hashlib.sha256(data).hexdigest()
         return blob_key(name, sha), data, sha, hashlib.md5(data, usedforsecurity=False).hexdigest()
 
     return UploadItem(
-        key="", size=plan.max_bytes, sha256="", md5=None, build=build,
-        label=f"shard:{plan.members_digest}", metadata={"members": str(len(plan.members))},
+        key="", size=plan.max_bytes, sha256="", md5=None, build=build, label=f"shard:{number}",
+        metadata={"members": str(len(plan.members))}, members=members,
     )
-

@@ -40,6 +40,10 @@ class ShardPlan:
     members: tuple[Member, ...]
 
     @property
+    def hashed(self) -> bool:
+        return all(m.sha256 for m in self.members)
+
+    @property
     def members_digest(self) -> str:
         """Identity of the member list: equal digests pack to identical bytes."""
         h = hashlib.sha256(b"hybridflow.shard/v1\n")
@@ -108,26 +112,29 @@ def shard_offsets(plan: ShardPlan) -> dict[str, int]:
     return offsets
 
 
-def build_shard(plan: ShardPlan, read: Callable[[str], bytes]) -> tuple[bytes, dict[str, int]]:
-    """Pack ``plan``'s files (read with ``read(path)``) into tar bytes; returns (bytes, offsets).
+def build_shard(plan: ShardPlan, read: Callable[[str], bytes]) -> tuple[bytes, ShardPlan]:
+    """Pack ``plan``'s files (read with ``read(path)``) into tar bytes; returns the bytes and the
+    plan with every member's SHA-256.
 
-    Each file is checked against the SHA-256 it was planned with, so a file changed after it was
-    scanned fails the staging instead of landing in a shard under the wrong digest.
+    A member planned with a SHA-256 is checked against it, so a file changed after it was scanned
+    fails the staging instead of landing in a shard under the wrong digest; a member planned
+    without one (a file not hashed yet) is hashed here, from the same read.
     """
     buf = io.BytesIO()
-    offsets: dict[str, int] = {}
+    members = []
     for m in plan.members:
         data = read(m.path)
-        if len(data) != m.size or hashlib.sha256(data).hexdigest() != m.sha256:
+        sha = hashlib.sha256(data).hexdigest()
+        if len(data) != m.size or (m.sha256 and sha != m.sha256):
             raise StagingError(
                 f"{m.path} changed after it was scanned (now {len(data)} bytes); stop writers and re-run staging"
             )
+        members.append(Member(m.path, m.size, sha))
         buf.write(_tar_header(m.path, m.size))
-        offsets[m.path] = buf.tell()
         buf.write(data)
         buf.write(b"\0" * (_padded(m.size) - m.size))
     buf.write(b"\0" * (2 * _BLOCK))
-    return buf.getvalue(), offsets
+    return buf.getvalue(), ShardPlan(tuple(members))
 
 
 def iter_members(shard: bytes, expected: dict[str, tuple[int, int, str]]) -> Iterator[tuple[str, bytes]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +40,12 @@ class DatasetSource(Protocol):
     uri: str
 
     def scan(
-        self, index: HashIndex, *, md5_max_size: int, workers: int, defer_above: int | None = None
+        self, index: HashIndex, *, md5_max_size: int, workers: int,
+        defer: Callable[[list[SourceFile]], set[str]] | None = None,
     ) -> list[SourceFile]:
-        """Every file with its digests; files bigger than ``defer_above`` whose digests the index
-        does not know come back unhashed (sha256 "") for :meth:`digest` to hash later."""
+        """Every file with its digests. ``defer`` sees every file (sizes known, digests where the
+        index has them) and names files not to hash now: those come back unhashed (sha256 "") to be
+        hashed on their way up (:meth:`digest`, or while packed into a shard)."""
         ...
 
     def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
@@ -93,28 +95,19 @@ class LocalFolderSource:
                         yield rel, entry.stat()
 
     def scan(
-        self, index: HashIndex, *, md5_max_size: int, workers: int = 2, defer_above: int | None = None
+        self, index: HashIndex, *, md5_max_size: int, workers: int = 2,
+        defer: Callable[[list[SourceFile]], set[str]] | None = None,
     ) -> list[SourceFile]:
         if not self.path.is_dir():
             raise StagingError(f"dataset folder {self.path} ({self.uri}) does not exist")
-        out: list[SourceFile] = []
-        misses: list[SourceFile] = []
+        files = []
         for rel, st in self._walk():
             identity = HashIndex.file_key(st)
             known = index.lookup(rel, identity, st.st_mtime_ns)
             f = SourceFile(rel=rel, size=st.st_size, sha256="", md5=None, identity=tuple(identity),
                            mtime_ns=st.st_mtime_ns)
-            if known is not None:
-                out.append(_with(f, known, md5_max_size))
-            elif defer_above is not None and st.st_size > defer_above:
-                out.append(f)
-            else:
-                misses.append(f)
-        # hashlib drops the GIL on large buffers: threads hash on every core.
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
-            out.extend(pool.map(lambda f: _with(f, self.digest(f, index, md5_max_size=md5_max_size),
-                                                md5_max_size), misses))
-        return sorted(out, key=lambda f: f.rel)
+            files.append(_with(f, known, md5_max_size) if known is not None else f)
+        return _hash_rest(self, files, index, md5_max_size, workers, defer)
 
     def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
         hashed_at = time.time_ns()
@@ -167,28 +160,20 @@ class S3DatasetSource:
         return f"{self.prefix}/{rel}"
 
     def scan(
-        self, index: HashIndex, *, md5_max_size: int, workers: int = 8, defer_above: int | None = None
+        self, index: HashIndex, *, md5_max_size: int, workers: int = 8,
+        defer: Callable[[list[SourceFile]], set[str]] | None = None,
     ) -> list[SourceFile]:
         listed = [i for i in self.store.list(f"{self.prefix}/") if not _skipped(i.key[len(self.prefix) + 1 :])]
         if not listed:
             raise StagingError(f"no objects under {self.uri}; check the dataset URI")
-        out: list[SourceFile] = []
-        misses: list[SourceFile] = []
+        files = []
         for info in listed:
             rel = info.key[len(self.prefix) + 1 :]
             identity = (info.size, info.etag or "")
             known = index.lookup(rel, list(identity), None)
             f = SourceFile(rel=rel, size=info.size, sha256="", md5=None, identity=identity)
-            if known is not None:
-                out.append(_with(f, known, md5_max_size))
-            elif defer_above is not None and info.size > defer_above:
-                out.append(f)
-            else:
-                misses.append(f)
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="scan") as pool:
-            out.extend(pool.map(lambda f: _with(f, self.digest(f, index, md5_max_size=md5_max_size),
-                                                md5_max_size), misses))
-        return sorted(out, key=lambda f: f.rel)
+            files.append(_with(f, known, md5_max_size) if known is not None else f)
+        return _hash_rest(self, files, index, md5_max_size, workers, defer)
 
     def digest(self, f: SourceFile, index: HashIndex, *, md5_max_size: int) -> FileDigest:
         with_md5 = f.size <= md5_max_size
@@ -218,3 +203,16 @@ class S3DatasetSource:
 def _with(f: SourceFile, d: FileDigest, md5_max_size: int) -> SourceFile:
     return SourceFile(rel=f.rel, size=d.size, sha256=d.sha256, md5=d.md5 if d.size <= md5_max_size else None,
                       identity=f.identity, mtime_ns=f.mtime_ns)
+
+
+def _hash_rest(source, files: list[SourceFile], index: HashIndex, md5_max_size: int, workers: int,
+               defer: Callable[[list[SourceFile]], set[str]] | None) -> list[SourceFile]:
+    """Hash the files the index did not know, except those ``defer`` names."""
+    later = defer(files) if defer else set()
+    todo = [f for f in files if not f.hashed and f.rel not in later]
+    done = {f.rel: f for f in files if f.hashed or f.rel in later}
+    # hashlib drops the GIL on large buffers: threads hash on every core.
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hash") as pool:
+        for f in pool.map(lambda f: _with(f, source.digest(f, index, md5_max_size=md5_max_size), md5_max_size), todo):
+            done[f.rel] = f
+    return [done[rel] for rel in sorted(done)]

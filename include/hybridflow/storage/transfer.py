@@ -67,6 +67,7 @@ class UploadItem:
     digest: Callable[[], tuple[str, str]] | None = None
     label: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    members: dict[str, str] = field(default_factory=dict)  # for shards: filled by build (path -> sha256)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Uploaded:
     sha256: str = ""
     md5: str | None = None
     label: str = ""
+    members: dict[str, str] = field(default_factory=dict)  # a shard's files and their SHA-256
 
 
 class TransferProgress:
@@ -311,7 +313,7 @@ class _Run:
                 known = self.stored(key, sha256, md5) if self.stored else None
                 if known is not None:
                     self.progress.add(item.size, 1)
-                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256, md5, item.label))
+                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256, md5, item.label, item.members))
                     return
                 metadata = {**item.metadata, "sha256": sha256}
             else:
@@ -326,7 +328,7 @@ class _Run:
         finally:
             self.budget.give(item.size)
         self.progress.add(item.size, 1)
-        self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256, md5, item.label))
+        self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256, md5, item.label, item.members))
 
     # -- big files ---------------------------------------------------------------------------------
     def hash_then_upload(self, item: UploadItem) -> None:
