@@ -39,7 +39,7 @@ from hybridflow.errors import SovereigntyError, StagingError
 from hybridflow.storage.hashindex import FileDigest, HashIndex, ShardDigest
 from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
 from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
-from hybridflow.storage.shards import Member, ShardPlan, build_shard, plan_shards, shard_offsets
+from hybridflow.storage.shards import Member, ShardPlan, build_shard, iter_members, plan_shards, shard_offsets
 from hybridflow.storage.sources import DatasetSource, LocalFolderSource, SourceFile
 from hybridflow.storage.transfer import TransferProgress, TransferSettings, Uploaded, Uploader, UploadItem
 
@@ -213,15 +213,6 @@ class _Stager:
                     self.log.warning("ignoring %s", exc)
         return self._previous or None
 
-    def shard_digest(self, plan: ShardPlan) -> ShardDigest | None:
-        known = self.index.shard(plan.members_digest)
-        if known is None and (prev := self.previous_manifest()) is not None:
-            for b in prev.blobs:
-                if b.members_digest == plan.members_digest:
-                    known = ShardDigest(size=b.size, sha256=b.sha256, md5=None)
-                    self.index.record_shard(plan.members_digest, known)
-                    break
-        return known
 
     def recorded_etag(self, key: str, recorded: dict[str, str]) -> str | None:
         if key in recorded:
@@ -246,12 +237,24 @@ class _Stager:
         known = self.recorded_etag(blob.key, recorded)
         if etag and known:
             return None if etag == known.lower() else f"ETag {etag} differs from {known} recorded at upload"
-        # Nothing to compare with (a folder store, or a multipart blob from another machine):
-        # settle it with the SHA-256 of the stored bytes.
+        # Nothing to compare with (a folder store, or a blob from another machine): settle it with
+        # the stored bytes (a shard: every member's SHA-256 at its offset).
+        if blob.shard is not None:
+            return None if self._shard_ok(blob) else "a packed file differs (SHA-256)"
         if info.size > VERIFY_DOWNLOAD_MAX and etag:
             self.log.warning("blob %s: no recorded ETag to check; trusting its size", blob.key)
             return None
         return None if self._stored_sha256(blob.key, info.size) == blob.sha256 else "content differs (SHA-256)"
+
+    def _shard_ok(self, blob: _Blob) -> bool:
+        offsets = shard_offsets(blob.shard)
+        expected = {m.path: (offsets[m.path], m.size, m.sha256) for m in blob.shard.members}
+        try:
+            for _ in iter_members(self.target.get_bytes(blob.key), expected):
+                pass
+        except StagingError:
+            return False
+        return True
 
     def _stored_sha256(self, key: str, size: int) -> str:
         sha = hashlib.sha256()
@@ -263,11 +266,11 @@ class _Stager:
     def stored(self, existing: dict[str, ObjectInfo], recorded: dict[str, str]):
         """For built shards: the ETag if ``key`` is already stored with these bytes."""
 
-        def check(key: str, sha256: str, md5: str | None) -> str | None:
+        def check(key: str, sha256: str, md5: str | None, shard: ShardPlan | None = None) -> str | None:
             info = existing.get(key)
             if info is None:
                 return None
-            blob = _Blob(key=key, size=info.size, sha256=sha256, md5=md5)
+            blob = _Blob(key=key, size=info.size, sha256=sha256, md5=md5, shard=shard)
             problem = self.problem(blob, info, recorded)
             if problem is None:
                 return info.etag or md5
@@ -344,14 +347,17 @@ def stage_dataset(
         if f.rel not in packed and f.hashed:
             key = blob_key(name, f.sha256)
             blobs.setdefault(key, _Blob(key=key, size=f.size, sha256=f.sha256, md5=f.md5, file=f))
-    unknown_shards: list[int] = []  # plans to pack before their key is known
+    # A shard is named by its member list (paths, sizes, SHA-256s), from which its bytes follow:
+    # known members give its key without packing it.
+    unknown_shards: list[int] = []  # plans with members not hashed yet: packed before named
     for i, plan in enumerate(plans):
-        digest = stager.shard_digest(plan) if plan.hashed else None
-        if digest is None:
+        if not plan.hashed:
             unknown_shards.append(i)
-        else:
-            key = blob_key(name, digest.sha256)
-            blobs.setdefault(key, _Blob(key=key, size=digest.size, sha256=digest.sha256, md5=digest.md5, shard=plan))
+            continue
+        key = blob_key(name, plan.members_digest)
+        digest = index.shard(plan.members_digest)
+        blobs.setdefault(key, _Blob(key=key, size=plan.packed_size, sha256=plan.members_digest,
+                                    md5=digest.md5 if digest else None, shard=plan))
 
     # One listing for the whole dataset, not a HEAD per file.
     existing = list_blobs(target, name, len(blobs) + len(unknown_shards) + len(deferred), settings)
@@ -409,8 +415,8 @@ def stage_dataset(
             plans[i] = ShardPlan(tuple(Member(m.path, m.size, by_rel[m.path].sha256 or _packed_sha(u, m.path))
                                        for m in plans[i].members))
             md = plans[i].members_digest
-            shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=u.sha256, md5=u.md5, shard=plans[i])
-            index.record_shard(md, ShardDigest(size=u.size, sha256=u.sha256, md5=u.md5))
+            shard_keys[md] = _Blob(key=u.key, size=u.size, sha256=md, md5=u.md5, shard=plans[i])
+            index.record_shard(md, ShardDigest(size=u.size, sha256=md, md5=u.md5))
             hashed_late.update((m.path, m.sha256) for m in plans[i].members)
     files = [f if f.hashed else replace(f, sha256=hashed_late[f.rel]) for f in files]
     entries: list[ManifestEntry] = []
@@ -527,20 +533,23 @@ def _packed_sha(u: Uploaded, path: str) -> str:
 
 def _shard_item(name: str, number: int, plan: ShardPlan, source: DatasetSource, by_rel: dict[str, SourceFile],
                 index: HashIndex) -> UploadItem:
-    members: dict[str, str] = {}
+    item = UploadItem(
+        key="", size=plan.max_bytes, sha256="", md5=None, label=f"shard:{number}",
+        metadata={"members": str(len(plan.members))}, shard=plan,
+    )
 
-    def build() -> tuple[str, bytes, str, str]:
+    def build() -> tuple[str, bytes, str | None, str]:
         started = time.time_ns()
         data, hashed = build_shard(plan, lambda rel: source.read(rel))
+        item.shard = hashed
         for m in hashed.members:
             f = by_rel[m.path]
-            members[m.path] = m.sha256
+            item.members[m.path] = m.sha256
             if not f.hashed:  # hashed while packed: remembered like any other file's digests
                 index.record(f.rel, list(f.identity), FileDigest(size=f.size, sha256=m.sha256, md5=None), started)
-        sha = hashlib.sha256(data).hexdigest()
-        return blob_key(name, sha), data, sha, hashlib.md5(data, usedforsecurity=False).hexdigest()
+        # No SHA-256 header for the shard's bytes: its name is its member list's digest, and its
+        # PUT carries a CRC32C header and is checked by its ETag like any other.
+        return blob_key(name, hashed.members_digest), data, None, hashlib.md5(data, usedforsecurity=False).hexdigest()
 
-    return UploadItem(
-        key="", size=plan.max_bytes, sha256="", md5=None, build=build, label=f"shard:{number}",
-        metadata={"members": str(len(plan.members))}, members=members,
-    )
+    item.build = build
+    return item

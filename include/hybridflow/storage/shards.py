@@ -56,6 +56,11 @@ class ShardPlan:
         return sum(m.size for m in self.members)
 
     @property
+    def packed_size(self) -> int:
+        """The exact size of the packed tar (headers and padding follow from paths and sizes)."""
+        return sum(len(_tar_header(m.path, m.size)) + _padded(m.size) for m in self.members) + 2 * _BLOCK
+
+    @property
     def max_bytes(self) -> int:
         """Upper bound of the packed size (headers, long-name records, padding, end blocks)."""
         return sum(3 * _BLOCK + len(m.path.encode()) + _padded(m.size) for m in self.members) + 2 * _BLOCK

@@ -49,8 +49,8 @@ class UploadItem:
     Two kinds of object learn their key only inside the pipeline, so that no byte waits for a
     whole-dataset hashing pass:
 
-    - ``build`` (shards): returns ``(key, bytes, sha256, md5)``; ``size`` is an upper bound used
-      for memory accounting;
+    - ``build`` (shards): returns ``(key, bytes, sha256 or None, md5)``; ``size`` is an upper bound
+      used for memory accounting;
     - ``digest`` (big files not hashed yet): returns ``(key, sha256)`` after reading the file; the
       file then goes up in parts unless the store already holds it.
     """
@@ -68,6 +68,7 @@ class UploadItem:
     label: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     members: dict[str, str] = field(default_factory=dict)  # for shards: filled by build (path -> sha256)
+    shard: Any = None  # the ShardPlan a built object packs (to check a stored copy member by member)
 
 
 @dataclass(frozen=True)
@@ -227,9 +228,9 @@ class Uploader:
         *,
         uploads_prefix: str,
         progress: TransferProgress | None = None,
-        stored: Callable[[str, str, str | None], str | None] | None = None,
+        stored: Callable[..., str | None] | None = None,
     ) -> list[Uploaded]:
-        """Upload ``items``; returns one :class:`Uploaded` per item. ``stored(key, sha256, md5)`` is
+        """Upload ``items``; returns one :class:`Uploaded` per item. ``stored(key, sha256, md5, shard)`` is
         asked about objects whose key is learnt in the pipeline (built shards, big files hashed on
         the way) and returns the ETag when the store already holds exactly those bytes; then
         nothing is sent (``bytes_sent`` 0)."""
@@ -310,12 +311,12 @@ class _Run:
         try:
             if item.build is not None:
                 key, data, sha256, md5 = item.build()
-                known = self.stored(key, sha256, md5) if self.stored else None
+                known = self.stored(key, sha256 or "", md5, item.shard) if self.stored else None
                 if known is not None:
                     self.progress.add(item.size, 1)
-                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256, md5, item.label, item.members))
+                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256 or "", md5, item.label, item.members))
                     return
-                metadata = {**item.metadata, "sha256": sha256}
+                metadata = dict(item.metadata)
             else:
                 key, sha256, metadata = item.key, item.sha256, item.metadata
                 data = item.read(0, item.size)
@@ -328,7 +329,7 @@ class _Run:
         finally:
             self.budget.give(item.size)
         self.progress.add(item.size, 1)
-        self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256, md5, item.label, item.members))
+        self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256 or "", md5, item.label, item.members))
 
     # -- big files ---------------------------------------------------------------------------------
     def hash_then_upload(self, item: UploadItem) -> None:
