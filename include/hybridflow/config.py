@@ -27,6 +27,8 @@ PIPELINE_FILE = "pipeline.yaml"
 PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
 # Cluster names end up in Airflow pool names, connection ids and Kubernetes labels.
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+_LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
 class _Model(BaseModel):
@@ -44,6 +46,11 @@ class NodePool(_Model):
     gpus: int = Field(gt=0)
     rdma: bool = False
     spot: bool = False
+    # Billing class of the pool when it is not the cluster's default (onprem on private clusters,
+    # spot or on_demand on public ones): e.g. reserved capacity bought for a term.
+    pricing: PricingClass | None = None
+    # Kubernetes only: node labels that select this pool's nodes (nodeSelector of gang pods).
+    node_labels: dict[str, str] = Field(default_factory=dict)
 
 
 class CacheConfig(_Model):
@@ -62,6 +69,7 @@ class Cluster(_Model):
     backend: Literal["local", "kubernetes"] = "local"
     conn_id: str | None = None  # kubernetes only: the Airflow Connection holding the kubeconfig
     scheduler: Literal["volcano", "kueue"] | None = None  # kubernetes only: the gang scheduler
+    namespace: str | None = Field(default=None, min_length=1)  # kubernetes only (default "hybridflow")
     node_pools: list[NodePool] = Field(min_length=1)
     prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
     cache: CacheConfig | None = None
@@ -82,6 +90,11 @@ class Cluster(_Model):
     @property
     def is_private(self) -> bool:
         return self.location == "private"
+
+    @property
+    def k8s_namespace(self) -> str:
+        """Namespace of the cluster's gang jobs (kubernetes backend)."""
+        return self.namespace or "hybridflow"
 
     @property
     def checkpoint_places(self) -> tuple[CheckpointPlace, CheckpointPlace]:
@@ -110,6 +123,8 @@ class Cluster(_Model):
         raise KeyError(f"cluster {self.name!r} has no node pool {name!r}")
 
     def pricing_class(self, pool: NodePool) -> PricingClass:
+        if pool.pricing is not None:
+            return pool.pricing
         if self.is_private:
             return "onprem"
         return "spot" if pool.spot else "on_demand"
@@ -131,7 +146,12 @@ class GpuType(_Model):
 
 
 class Team(_Model):
-    pass
+    # Most GPUs the team's runs may hold at once across the estate (None: no cap beyond projects').
+    gpu_cap: int | None = Field(default=None, ge=1)
+    # Share of private GPU capacity guaranteed to the team: its idle part is billed to the team.
+    guaranteed_share: float = Field(default=0.0, ge=0, le=1)
+    # Queue of the team on Kubernetes gang schedulers (Volcano queue / Kueue LocalQueue); default: the team name.
+    queue: str | None = Field(default=None, min_length=1)
 
 
 class Project(_Model):
@@ -252,6 +272,10 @@ class Estate:
     @property
     def public_clusters(self) -> list[Cluster]:
         return [c for c in self.clusters.values() if not c.is_private]
+
+    def queue_of(self, team: str) -> str:
+        """The team's queue on Kubernetes gang schedulers (Volcano queue, Kueue LocalQueue)."""
+        return self.teams[team].queue or team
 
     def offered_gpu_models(self) -> list[str]:
         return sorted({m for c in self.clusters.values() for m in c.gpu_models})
@@ -419,6 +443,14 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
         if not _NAME_RE.match(name):
             bad(at, "cluster names use lowercase letters, digits and '-' (they become pool and label names)")
         if c.backend == "kubernetes":
+            for i, pool in enumerate(c.node_pools):
+                for key, value in pool.node_labels.items():
+                    if not _LABEL_KEY_RE.match(key) or not _LABEL_VALUE_RE.match(value):
+                        bad(
+                            f"{at}.node_pools[{i}].node_labels.{key}",
+                            "not a valid Kubernetes label (key [prefix/]name, value up to 63 of "
+                            "[A-Za-z0-9._-] starting and ending alphanumeric); fix the label",
+                        )
             if not c.conn_id:
                 bad(
                     f"{at}.conn_id", "backend kubernetes needs conn_id: the Airflow Connection of the cluster"
@@ -429,7 +461,7 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
                     "backend kubernetes needs scheduler: volcano or kueue (gang scheduling)",
                 )
         else:
-            for key in ("conn_id", "scheduler"):
+            for key in ("conn_id", "scheduler", "namespace"):
                 if getattr(c, key) is not None:
                     bad(
                         f"{at}.{key}",
@@ -460,6 +492,18 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
                 )
             if pool.spot and c.location == "private":
                 bad(f"{p_at}.spot", "spot capacity exists only on public clusters; set spot: false")
+            if pool.node_labels and c.backend != "kubernetes":
+                bad(f"{p_at}.node_labels", "only used with backend: kubernetes; remove it")
+            if pool.pricing is not None:
+                allowed = ("onprem", "reserved") if c.is_private else ("on_demand", "reserved", "spot")
+                if pool.pricing not in allowed:
+                    bad(
+                        f"{p_at}.pricing",
+                        f"{pool.pricing!r} is not a billing class of a {c.location} cluster; use one of: "
+                        + ", ".join(allowed),
+                    )
+                elif (pool.pricing == "spot") != pool.spot:
+                    bad(f"{p_at}.pricing", "pricing spot goes with spot: true (and only with it); make them agree")
             needed = c.pricing_class(pool)
             if needed not in c.prices:
                 bad(
@@ -504,6 +548,20 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
 def _check_projects(path: Path, pf: ProjectsFile) -> list[str]:
     problems: list[str] = []
     teams = ", ".join(sorted(pf.teams))
+    shares = sum(t.guaranteed_share for t in pf.teams.values())
+    if shares > 1 + 1e-9:
+        problems.append(
+            f"{path}: teams: guaranteed_share adds up to {shares:.2f} over all teams; the shares of private "
+            "capacity must add up to at most 1.0"
+        )
+    queues: dict[str, str] = {}
+    for name, team in pf.teams.items():
+        if not _NAME_RE.match(name):
+            problems.append(f"{path}: teams.{name}: team names use lowercase letters, digits and '-' (they name queues)")
+        q = team.queue or name
+        if q in queues:
+            problems.append(f"{path}: teams.{name}.queue: {q!r} is also the queue of team {queues[q]!r}; give each team its own")
+        queues[q] = name
     for name, project in pf.projects.items():
         if project.team not in pf.teams:
             problems.append(

@@ -174,6 +174,32 @@ BROKEN = [
     ("pipeline.yaml", _set(["placement", "spill_threshold"], 1.5), ["placement.spill_threshold", "1.5"]),
     ("pipeline.yaml", _set(["placement", "spill"], 0.5), ["placement.spill", "spill_threshold"]),
     ("pipeline.yaml", _set(["serving", "port"], 70000), ["serving.port", "65535"]),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "pricing"], "spot"),
+        ["clusters.onprem-a.node_pools[0].pricing", "onprem, reserved"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "node_pools", 0, "node_labels"], {"pool": "a100"}),
+        ["clusters.onprem-a.node_pools[0].node_labels", "backend: kubernetes"],
+    ),
+    (
+        "clusters.yaml",
+        _set(["clusters", "onprem-a", "namespace"], "ml"),
+        ["clusters.onprem-a.namespace", "backend: kubernetes"],
+    ),
+    (
+        "projects.yaml",
+        _set(["teams", "search", "guaranteed_share"], 0.75),
+        ["teams: guaranteed_share adds up to 1.25", "at most 1.0"],
+    ),
+    ("projects.yaml", _set(["teams", "search", "gpu_cap"], 0), ["teams.search.gpu_cap"]),
+    (
+        "projects.yaml",
+        _set(["teams", "search", "queue"], "perception"),
+        ["teams.search.queue", "'perception'", "own"],
+    ),
 ]
 
 
@@ -194,6 +220,28 @@ def test_kubernetes_backend_with_conn_and_scheduler_loads(tmp_path: Path) -> Non
 
     estate = load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
     assert estate.clusters["onprem-a"].scheduler == "kueue"
+    assert estate.clusters["onprem-a"].k8s_namespace == "hybridflow"
+
+
+def test_kubernetes_node_labels_are_checked(tmp_path: Path) -> None:
+    def mutate(data: dict) -> None:
+        data["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s", scheduler="volcano")
+        data["clusters"]["onprem-a"]["node_pools"][0]["node_labels"] = {"nvidia.com/gpu.product": "-bad-"}
+
+    with pytest.raises(ConfigError, match=r"node_pools\[0\]\.node_labels\.nvidia\.com/gpu\.product"):
+        load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
+
+
+def test_reserved_pool_is_billed_as_reserved(tmp_path: Path) -> None:
+    def mutate(data: dict) -> None:
+        data["clusters"]["cloud-east"]["node_pools"][0]["pricing"] = "reserved"
+        data["clusters"]["cloud-east"]["prices"]["reserved"] = 2.5
+
+    estate = load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
+    cloud = estate.clusters["cloud-east"]
+    assert cloud.pricing_class(cloud.pool("h100-on-demand")) == "reserved"
+    assert cloud.price_of(cloud.pool("h100-on-demand")) == pytest.approx(2.5)
+    assert estate.queue_of("search") == "search" and estate.teams["perception"].gpu_cap == 8
 
 
 def test_placement_section_is_optional(tmp_path: Path) -> None:
