@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hybridflow.budgets.enforce import refuse_if_frozen
 from hybridflow.config import Estate
 from hybridflow.datasets import resolve_dataset
 from hybridflow.errors import AdmissionError
@@ -51,6 +52,7 @@ class RunRequest(BaseModel):
     checkpoint_every_steps: int = Field(default=50, ge=1)
     compression: Compression = "best"  # best: try int8 and fp16, keep the smallest that passes
     deploy: bool = True
+    budget_override: str = Field(default="", max_length=500)  # why a critical run may start while frozen
 
     @field_validator("workers", "train_steps", "checkpoint_every_steps", mode="before")
     @classmethod
@@ -110,6 +112,7 @@ def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> Admitte
             f"unknown project {req.project!r}; use one of: {', '.join(sorted(estate.projects))} "
             f"(or add it to projects.yaml)",
         )
+    refuse_if_frozen(req.project, req.priority, req.budget_override, estate)
     if req.workers > project.max_workers:
         raise AdmissionError(
             "workers",

@@ -125,6 +125,14 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
         "title": "Deploy",
         "description": "Roll the compressed model out to the private inference endpoint (blue/green).",
     },
+    "budget_override": {
+        "default": "",
+        "type": "string",
+        "maxLength": 500,
+        "title": "Budget override",
+        "description": "Only for critical runs of a project frozen by its budget: why it must run anyway "
+        "(kept in the run record). Leave empty otherwise.",
+    },
 }
 
 PARAM_DEFAULTS: dict[str, Any] = {name: spec["default"] for name, spec in TRAINING_PARAMS.items()}

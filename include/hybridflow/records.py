@@ -33,6 +33,7 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         "dataset_uri": req.dataset_uri,
         "sensitivity": req.sensitivity,
         "priority": req.priority,
+        "budget_override": req.budget_override or None,
         "cluster": placement.get("cluster"),
         "location": placement.get("location"),
         "pricing_class": placement.get("pricing_class"),
