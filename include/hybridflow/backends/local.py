@@ -55,6 +55,15 @@ class GangFailed(GangWorkerExit):
     """A worker failed (any other non-zero exit); the whole gang was stopped."""
 
 
+class GangStopped(GangWorkerExit):
+    """The gang was stopped on purpose with :meth:`LocalGangBackend.stop` (e.g. its project's budget
+    is spent): the workers checkpointed, and it must not be relaunched. ``reason`` says why."""
+
+    def __init__(self, message: str, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class GangJob:
     name: str  # deterministic per run (e.g. "<dag>-<run>-train") so a retry finds its own slots
@@ -62,6 +71,9 @@ class GangJob:
     spec: dict  # written to job.json for the workers; must not hold credentials
     env: dict[str, str] = field(default_factory=dict, repr=False)  # extra env, incl. store credentials
     attempt: str = "1"
+    # Who the gang works for (project, priority, interruptible), kept with the running gang so a
+    # budget freeze can find a project's gangs.
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,13 @@ def _tail(path: Path, lines: int = 25) -> str:
             return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _atomic_write_json(path: Path, body: dict) -> None:
@@ -253,6 +272,9 @@ class LocalGangBackend:
     def _record_path(self, job_name: str) -> Path:
         return self.job_dir(job_name) / "running.json"
 
+    def _stop_path(self, job_name: str) -> Path:
+        return self.job_dir(job_name) / "stop.json"
+
     # -- admission ---
     def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None]) -> None:
         deadline = time.monotonic() + admission_timeout_s
@@ -298,6 +320,8 @@ class LocalGangBackend:
         procs: list[subprocess.Popen] = []
         try:
             self._stop_leftovers(job.name, log)
+            # A stop asked for an earlier launch; this one was started after it (a cleared task).
+            self._stop_path(job.name).unlink(missing_ok=True)
             run_dir = self.job_dir(job.name) / job.attempt
             run_dir.mkdir(parents=True, exist_ok=True)
             spec_path = run_dir / "job.json"
@@ -344,6 +368,8 @@ class LocalGangBackend:
                 self._record_path(job.name),
                 {
                     "attempt": job.attempt,
+                    "cluster": self.cluster,
+                    "labels": dict(job.labels),
                     "launcher_pid": os.getpid(),
                     "workers": [
                         {"rank": r, "pid": p.pid, "pid_start": _start_ticks(p.pid)}
@@ -358,6 +384,16 @@ class LocalGangBackend:
                 rank, code = first_failure or failed[0]
                 others = ", ".join(f"rank {r}: {c}" for r, c in failed if r != rank) or "none"
                 tail = _tail(log_paths[rank])
+                stop = _read_json(self._stop_path(job.name))
+                if code == PREEMPTED_EXIT_CODE and stop is not None:
+                    self._stop_path(job.name).unlink(missing_ok=True)
+                    raise GangStopped(
+                        f"gang {job.name!r} was stopped after checkpointing: {stop.get('reason')}",
+                        reason=str(stop.get("reason")),
+                        rank=rank,
+                        exit_code=code,
+                        log_tail=tail,
+                    )
                 if code == PREEMPTED_EXIT_CODE:
                     raise GangPreempted(
                         f"gang {job.name!r} was preempted (rank {rank} exited {code} after checkpointing); "
@@ -477,6 +513,27 @@ class LocalGangBackend:
                 except OSError as exc:
                     if exc.errno != errno.ESRCH:
                         raise
+
+    def running_gangs(self) -> list[dict]:
+        """Gangs of this cluster with live workers: ``{"name", "attempt", "labels"}`` each."""
+        out = []
+        for path in sorted((self.state_dir / "jobs").glob("*/running.json")):
+            record = _read_json(path)
+            if not record or record.get("cluster", self.cluster) != self.cluster:
+                continue
+            if self._live_workers(record):
+                out.append({"name": path.parent.name, "attempt": record.get("attempt"),
+                            "labels": record.get("labels") or {}})
+        return out
+
+    def stop(self, job_name: str, reason: str) -> bool:
+        """Stop a running gang for good: like :meth:`cancel` (SIGTERM, the workers checkpoint), but
+        its launcher raises :class:`GangStopped` with ``reason`` instead of a relaunchable preemption."""
+        _atomic_write_json(self._stop_path(job_name), {"reason": reason, "at": time.time()})
+        stopped = self.cancel(job_name)
+        if not stopped:
+            self._stop_path(job_name).unlink(missing_ok=True)
+        return stopped
 
     def cancel(self, job_name: str) -> bool:
         """Stop a running gang recorded in state (used by an operator's on_kill). The workers get

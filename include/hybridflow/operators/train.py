@@ -43,7 +43,7 @@ class GangTrainOperator(BaseOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.admission import AdmittedRun
-        from hybridflow.backends.local import GangJob, GangPreempted, LocalGangBackend
+        from hybridflow.backends.local import GangJob, GangPreempted, GangStopped, LocalGangBackend
         from hybridflow.config import load_estate
         from hybridflow.errors import GangError
         from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
@@ -110,11 +110,20 @@ class GangTrainOperator(BaseOperator):
                         spec={**spec, "attempt": label},
                         env=env,
                         attempt=label,
+                        labels={"project": req.project, "priority": req.priority,
+                                "interruptible": str(req.interruptible).lower()},
                     ),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
                     log=self.log,
                 )
                 outcome = "succeeded"
+            except GangStopped as exc:
+                # Stopped on purpose (budget freeze): checkpointed, and neither relaunched nor retried.
+                outcome = "stopped"
+                raise AirflowFailException(
+                    f"{exc.reason}. The newest checkpoint is kept in {ckpt_spec.uri}: clear the train task "
+                    "once the freeze is lifted to resume from it"
+                ) from exc
             except GangPreempted:
                 # on_kill stops the gang with SIGTERM too; that exit is the task's, not a preemption.
                 outcome = "interrupted" if self._killed else "preempted"
