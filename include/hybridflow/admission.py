@@ -25,6 +25,7 @@ __all__ = ["PARAM_DEFAULTS", "AdmittedRun", "RunRequest", "admit"]
 Sensitivity = Literal["public", "internal", "restricted"]
 Priority = Literal["critical", "normal", "batch"]
 ClusterPreference = Literal["auto", "private", "public"]
+PlacementStrategy = Literal["local_first", "elastic_first"]
 Compression = Literal["int8", "fp16", "best"]
 # The pipeline's built-in model (hybridflow.training.model, hidden=128): 64*128+128 + 128*64+64 + 64*10+10.
 BUILTIN_MODEL_PARAMS = 17_226
@@ -44,6 +45,8 @@ class RunRequest(BaseModel):
     interruptible: bool = False
     spot_allowed: bool = False
     cluster_preference: ClusterPreference = "auto"
+    placement_strategy: PlacementStrategy = "local_first"
+    max_price_per_gpu_hour: float = Field(default=0.0, ge=0, le=1000)  # 0: no ceiling
     model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the pipeline's built-in model
     precision: Precision = "fp32"
     optimizer: Optimizer = "sgd_momentum"
@@ -93,8 +96,18 @@ class AdmittedRun(RunRequest):
 _FIELDS = tuple(RunRequest.model_fields)
 
 
-def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> AdmittedRun:
-    """Validate ``raw`` trigger Params against ``estate``; missing Params take their defaults."""
+def admit(
+    raw: Mapping[str, Any],
+    estate: Estate,
+    private_root: Path,
+    *,
+    team_usage: Mapping[str, int] | None = None,
+) -> AdmittedRun:
+    """Validate ``raw`` trigger Params against ``estate``; missing Params take their defaults.
+
+    ``team_usage`` (team -> GPUs its gangs hold now) lets ``admission.over_team_cap: refuse`` turn
+    away a run that would take its team past ``gpu_cap``; without it only the static cap is checked.
+    """
     if not isinstance(raw, Mapping):
         raise AdmissionError("params", f"expected a mapping of Param name to value, got {type(raw).__name__}")
     unknown = sorted(str(k) for k in raw if k not in RunRequest.model_fields)
@@ -143,6 +156,8 @@ def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> Admitte
             "restricted data never leaves private clusters; set cluster_preference=private or auto "
             "(or lower sensitivity if the data is not restricted)",
         )
+    _check_team_cap(req, project.team, estate, team_usage)
+    _check_price_ceiling(req, estate)
     if req.checkpoint_every_steps > req.train_steps:
         raise AdmissionError(
             "checkpoint_every_steps",
@@ -151,6 +166,50 @@ def admit(raw: Mapping[str, Any], estate: Estate, private_root: Path) -> Admitte
         )
     dataset = resolve_dataset(req.dataset_uri, private_root)
     return AdmittedRun(**req.model_dump(), team=project.team, dataset_path=str(dataset.path))
+
+
+def _check_team_cap(req: RunRequest, team_name: str, estate: Estate, usage: Mapping[str, int] | None) -> None:
+    cap = estate.teams[team_name].gpu_cap
+    if cap is None:
+        return
+    if req.workers > cap:
+        raise AdmissionError(
+            "workers",
+            f"{req.workers} workers exceeds team {team_name!r}'s gpu_cap of {cap} GPUs, so the gang could never "
+            f"start; ask for at most {cap} (or raise teams.{team_name}.gpu_cap in projects.yaml)",
+        )
+    if usage is None or req.priority == "critical" or estate.pipeline.admission.over_team_cap != "refuse":
+        return
+    held = int(usage.get(team_name, 0))
+    if held + req.workers > cap:
+        raise AdmissionError(
+            "priority",
+            f"team {team_name!r} holds {held} of its gpu_cap of {cap} GPUs, {req.workers} more would pass it and "
+            f"admission.over_team_cap is refuse; trigger again when the team's runs finish, ask for at most "
+            f"{max(cap - held, 0)} workers, or use priority=critical for urgent work",
+        )
+
+
+def _check_price_ceiling(req: RunRequest, estate: Estate) -> None:
+    """A ceiling below every pool the run could use is a mistake in the form: say the cheapest option."""
+    ceiling = req.max_price_per_gpu_hour
+    if not ceiling:
+        return
+    prices = [
+        c.price_of(p)
+        for c in estate.clusters.values()
+        for p in c.node_pools
+        if p.gpu_model == req.gpu_type
+        and (c.is_private or not req.must_stay_private)
+        and req.cluster_preference in ("auto", c.location)
+        and (not p.spot or req.spot_eligible)
+    ]
+    if prices and min(prices) > ceiling:
+        raise AdmissionError(
+            "max_price_per_gpu_hour",
+            f"{ceiling:g} USD/GPU-hour is below every {req.gpu_type} pool this run may use (cheapest "
+            f"{min(prices):.2f}); raise it to at least {min(prices):.2f}, or set 0 for no ceiling",
+        )
 
 
 def _check_memory(req: RunRequest, gpu_memory_gib: float, quota: int, headroom: float) -> None:

@@ -185,6 +185,12 @@ class TrainingSettings(_Model):
 class AdmissionSettings(_Model):
     # Share of each GPU's memory left for activations and workspace by the memory check.
     activation_headroom: float = Field(default=0.2, ge=0, lt=1)
+    # A run that would take its team past teams.<team>.gpu_cap: "wait" (its gang queues until the
+    # team's GPUs free up) or "refuse" (admit turns it away). Critical runs are never held by the cap.
+    over_team_cap: Literal["wait", "refuse"] = "wait"
+    # On the local backend a critical gang that cannot be admitted stops batch gangs (SIGTERM: they
+    # checkpoint, exit as preempted and queue again behind it).
+    critical_preempts_batch: bool = True
 
 
 class EvaluationSettings(_Model):
@@ -240,6 +246,8 @@ class StagingConfig(_Model):
 class PlacementSettings(_Model):
     # Share of private GPUs in use at which auto runs go to public clusters instead.
     spill_threshold: float = Field(default=0.7, ge=0, le=1)
+    # Count GPUs of gangs waiting for admission on private clusters towards that share (the queue).
+    spill_counts_queue: bool = True
 
 
 class PipelineConfig(_Model):

@@ -68,6 +68,22 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
         "title": "Cluster preference",
         "description": "auto: private first, spill to public when the private queue is busy.",
     },
+    "placement_strategy": {
+        "default": "local_first",
+        "type": "string",
+        "enum": ["local_first", "elastic_first"],
+        "title": "Placement strategy",
+        "description": "With cluster_preference auto: local_first fills private clusters up to the spill "
+        "threshold, elastic_first takes public capacity first. Restricted data stays private either way.",
+    },
+    "max_price_per_gpu_hour": {
+        "default": 0.0,
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1000,
+        "title": "Price ceiling (USD per GPU-hour)",
+        "description": "Only pools at or below this price; 0 means no ceiling.",
+    },
     "model_params_b": {
         "default": 0.0,
         "type": "number",

@@ -1,22 +1,30 @@
 """Choose the cluster a run trains on, and say why.
 
-The estate is one logical pool over labelled clusters. Rules, in order:
+The estate is one logical pool over labelled clusters. Each cluster is assessed by the rules in
+:data:`RULES`, in order; every rule a cluster fails is recorded against it (``rules`` per candidate):
 
-1. restricted data runs on private clusters only (admission already refused ``cluster_preference=public``);
-2. ``cluster_preference`` private/public keeps only clusters of that location;
-3. spot pools only for runs that are interruptible *and* allow spot;
-4. the cluster needs one node pool of ``gpu_type`` with at least ``workers`` GPUs: a gang runs in one pool;
-5. among eligible clusters: ``auto`` prefers private until the private clusters' used share reaches
-   ``placement.spill_threshold`` (pipeline.yaml), then public; ties go to the least loaded, then the
-   cheapest, then the name (so the choice is deterministic and a retried task picks the same cluster).
+1. ``excluded``: a cluster that already failed this run (gang not admitted in time) is skipped;
+2. ``sovereignty``: restricted data runs on private clusters only (never switched off);
+3. ``preference``: ``cluster_preference`` private/public keeps only clusters of that location;
+4. ``gpu_model``: the cluster needs a node pool of ``gpu_type``;
+5. ``spot``: spot pools only for runs that are interruptible *and* allow spot;
+6. ``gang_fits``: a gang runs in one pool, so the pool needs ``workers`` GPUs;
+7. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling).
 
-Every candidate keeps its reasons, so the task log and XCom show why the winner won and the others lost.
+Among eligible clusters, ``auto`` runs follow ``placement_strategy``: ``local_first`` prefers private
+clusters until the private share in use (plus queued, when ``placement.spill_counts_queue``) reaches
+``placement.spill_threshold``, then spills to public; ``elastic_first`` prefers public capacity.
+Ties go to the least loaded (GPUs in use plus queued over capacity: the shortest queue), then the
+cheapest, then the name, so a retried task picks the same cluster.
+
+The functions take the estate and usage numbers only, so the trace replay
+(``benchmarks/placement_trace.py``) drives exactly these rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +45,11 @@ class PlacementDecision:
     spot: bool
     reasons: list[str] = field(default_factory=list)
     # One dict per cluster: cluster, location, eligible, rank, node_pool, pricing_class,
-    # price_per_gpu_hour, load, score ([preference tier, load share, price]; lower wins; None if
-    # ineligible) and reasons (why it was rejected, lost or won).
+    # price_per_gpu_hour, load, queued, score ([preference tier, load share, price]; lower wins; None if
+    # ineligible), rules ({rule: "pass" or why it failed}) and reasons (why it was rejected, lost or won).
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    # Clusters tried before this one for the same run: [{"cluster", "reason"}] (failover history).
+    failovers: list[dict[str, str]] = field(default_factory=list)
 
     def to_xcom(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,8 +66,11 @@ class PlacementDecision:
             f"for {self.gpus} x {self.gpu_model}",
             "why:",
             *(f"  - {r}" for r in self.reasons),
-            "candidates:",
         ]
+        if self.failovers:
+            lines.append("failed over from:")
+            lines.extend(f"  - {f['cluster']}: {f['reason']}" for f in self.failovers)
+        lines.append("candidates:")
         for c in self.candidates:
             if not c["eligible"]:
                 status = "ineligible"
@@ -74,10 +87,13 @@ class PlacementDecision:
 class _Candidate:
     cluster: Cluster
     reasons: list[str]
+    pools: list[NodePool]  # pools still usable; rules narrow it down
+    rules: dict[str, str] = field(default_factory=dict)
     pool: NodePool | None = None
     tier: int = 0
     load: float = 0.0
     used: int = 0
+    queued: int = 0
     rank: int | None = None
 
     @property
@@ -103,9 +119,108 @@ class _Candidate:
             "pricing_class": self.cluster.pricing_class(pool) if pool else None,
             "price_per_gpu_hour": self.price if pool else None,
             "load": round(self.load, 4),
+            "queued": self.queued,
             "score": [self.tier, round(self.load, 4), self.price] if pool else None,
+            "rules": dict(self.rules),
             "reasons": list(self.reasons),
         }
+
+
+@dataclass(frozen=True)
+class _Context:
+    run: AdmittedRun
+    excluded: dict[str, str]
+
+
+# -- rules: each returns why the cluster (or all its remaining pools) fails, or None ---------------
+def _rule_excluded(ctx: _Context, cand: _Candidate) -> str | None:
+    name = cand.cluster.name
+    if name in ctx.excluded:
+        return "excluded" + (f": {ctx.excluded[name]}" if ctx.excluded[name] else "")
+    return None
+
+
+def _rule_sovereignty(ctx: _Context, cand: _Candidate) -> str | None:
+    if cand.cluster.location == "public" and ctx.run.must_stay_private:
+        return "restricted data never leaves private clusters"
+    return None
+
+
+def _rule_preference(ctx: _Context, cand: _Candidate) -> str | None:
+    pref = ctx.run.cluster_preference
+    if pref in ("private", "public") and cand.cluster.location != pref:
+        return f"cluster_preference={pref}"
+    return None
+
+
+def _rule_gpu_model(ctx: _Context, cand: _Candidate) -> str | None:
+    gpu = ctx.run.gpu_type
+    cand.pools = [p for p in cand.pools if p.gpu_model == gpu]
+    if not cand.pools:
+        return f"offers no {gpu} GPUs (has {', '.join(cand.cluster.gpu_models)})"
+    return None
+
+
+def _rule_spot(ctx: _Context, cand: _Candidate) -> str | None:
+    usable = [p for p in cand.pools if not p.spot or ctx.run.spot_eligible]
+    if cand.pools and not usable:
+        names = ", ".join(p.name for p in cand.pools)
+        cand.pools = []
+        return (
+            f"its {ctx.run.gpu_type} GPUs are spot only ({names}); spot needs interruptible=true and "
+            "spot_allowed=true"
+        )
+    cand.pools = usable
+    return None
+
+
+def _rule_gang_fits(ctx: _Context, cand: _Candidate) -> str | None:
+    fitting = [p for p in cand.pools if p.gpus >= ctx.run.workers]
+    if cand.pools and not fitting:
+        biggest = max(p.gpus for p in cand.pools)
+        cand.pools = []
+        return (
+            f"largest usable {ctx.run.gpu_type} pool has {biggest} GPUs; the gang needs "
+            f"{ctx.run.workers} in one pool"
+        )
+    cand.pools = fitting
+    return None
+
+
+def _rule_price_ceiling(ctx: _Context, cand: _Candidate) -> str | None:
+    ceiling = ctx.run.max_price_per_gpu_hour
+    if not ceiling:
+        return None
+    cheap = [p for p in cand.pools if cand.cluster.price_of(p) <= ceiling]
+    if cand.pools and not cheap:
+        lowest = min(cand.cluster.price_of(p) for p in cand.pools)
+        cand.pools = []
+        return f"cheapest usable pool costs {lowest:.2f} USD/GPU-hour, above max_price_per_gpu_hour={ceiling:g}"
+    cand.pools = cheap
+    return None
+
+
+Rule = Callable[[_Context, _Candidate], "str | None"]
+# Order matters only for the story told: every failing rule is recorded, pools narrow as they go.
+RULES: tuple[tuple[str, Rule], ...] = (
+    ("excluded", _rule_excluded),
+    ("sovereignty", _rule_sovereignty),
+    ("preference", _rule_preference),
+    ("gpu_model", _rule_gpu_model),
+    ("spot", _rule_spot),
+    ("gang_fits", _rule_gang_fits),
+    ("price_ceiling", _rule_price_ceiling),
+)
+
+
+def private_pressure(estate: Estate, used: Mapping[str, int], queued: Mapping[str, int]) -> float:
+    """Share of private GPU capacity in use (plus queued, if ``placement.spill_counts_queue``)."""
+    cap = sum(c.total_gpus for c in estate.private_clusters)
+    if not cap:
+        return 1.0
+    count_queue = estate.pipeline.placement.spill_counts_queue
+    busy = sum(used.get(c.name, 0) + (queued.get(c.name, 0) if count_queue else 0) for c in estate.private_clusters)
+    return busy / cap
 
 
 def choose_cluster(
@@ -114,36 +229,35 @@ def choose_cluster(
     used_gpus: Mapping[str, int],
     *,
     exclude: Mapping[str, str] | Collection[str] = (),
+    queued_gpus: Mapping[str, int] | None = None,
 ) -> PlacementDecision:
     """Pick the cluster and node pool for ``run``.
 
-    ``used_gpus`` maps cluster name to GPUs in use (missing = 0). ``exclude`` names clusters to skip,
-    e.g. one that did not admit the gang in time; a mapping gives the reason shown in the log.
+    ``used_gpus`` maps cluster name to GPUs in use and ``queued_gpus`` to GPUs of gangs waiting for
+    admission (missing = 0). ``exclude`` names clusters to skip, e.g. one that did not admit the gang
+    in time; a mapping gives the reason shown in the log.
     """
-    threshold = estate.pipeline.placement.spill_threshold
+    settings = estate.pipeline.placement
+    threshold = settings.spill_threshold
     excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
-    used = {
-        name: min(max(int(used_gpus.get(name, 0) or 0), 0), c.total_gpus)
-        for name, c in estate.clusters.items()
-    }
-    private_cap = sum(c.total_gpus for c in estate.private_clusters)
-    private_used = sum(used[c.name] for c in estate.private_clusters)
-    share = private_used / private_cap if private_cap else 1.0
-    spilling = run.cluster_preference == "auto" and share >= threshold
+    queued_gpus = queued_gpus or {}
+    used = {name: min(max(int(used_gpus.get(name, 0) or 0), 0), c.total_gpus) for name, c in estate.clusters.items()}
+    queued = {name: max(int(queued_gpus.get(name, 0) or 0), 0) for name in estate.clusters}
+    share = private_pressure(estate, used, queued)
+    strategy = run.placement_strategy
+    spilling = run.cluster_preference == "auto" and strategy == "local_first" and share >= threshold
 
-    candidates = [
-        _assess(run, c, used[name], spilling, excluded.get(name) if name in excluded else None)
-        for name, c in sorted(estate.clusters.items())
-    ]
+    ctx = _Context(run=run, excluded=excluded)
+    candidates = [_assess(ctx, c, used[name], queued[name], spilling) for name, c in sorted(estate.clusters.items())]
     eligible = sorted((c for c in candidates if c.eligible), key=_Candidate.key)
     if not eligible:
         err = PlacementError(
             f"no cluster can take {run.workers} x {run.gpu_type} for project {run.project!r} "
             f"(sensitivity={run.sensitivity}, cluster_preference={run.cluster_preference}, "
-            f"spot {'allowed' if run.spot_eligible else 'not allowed'}):\n"
-            + "\n".join(
-                f"  - {c.cluster.name} ({c.cluster.location}): {'; '.join(c.reasons)}" for c in candidates
-            )
+            f"spot {'allowed' if run.spot_eligible else 'not allowed'}"
+            + (f", max_price_per_gpu_hour={run.max_price_per_gpu_hour:g}" if run.max_price_per_gpu_hour else "")
+            + "):\n"
+            + "\n".join(f"  - {c.cluster.name} ({c.cluster.location}): {'; '.join(c.reasons)}" for c in candidates)
         )
         err.candidates = [c.as_dict() for c in candidates]  # type: ignore[attr-defined]
         raise err
@@ -152,7 +266,7 @@ def choose_cluster(
     for rank, cand in enumerate(eligible, start=1):
         cand.rank = rank
         if rank > 1:
-            cand.reasons.append(f"ranked {rank}: {_why_lost(cand, winner, share, threshold)}")
+            cand.reasons.append(f"ranked {rank}: {_why_lost(cand, winner, share, threshold, strategy)}")
     assert winner.pool is not None
     pool = winner.pool
     why = _policy_reason(run, winner, share, threshold, spilling)
@@ -161,12 +275,14 @@ def choose_cluster(
         why.append("spot pool: the run is interruptible and allows spot")
     elif winner.cluster.location == "public":
         why.append("on-demand pool" + ("" if run.spot_eligible else ": the run is not spot-eligible"))
+    if run.max_price_per_gpu_hour:
+        why.append(f"within the price ceiling of {run.max_price_per_gpu_hour:g} USD/GPU-hour")
     why.append(
-        f"load {winner.used}/{winner.cluster.total_gpus} GPUs in use ({winner.load:.0%}); "
+        f"load {winner.used}/{winner.cluster.total_gpus} GPUs in use ({winner.load:.0%} with {winner.queued} queued); "
         f"price {winner.cluster.pricing_class(pool)} {winner.price:.2f} USD/GPU-hour"
     )
     why.extend(
-        f"chosen over {c.cluster.name}: {_why_lost(c, winner, share, threshold)}" for c in eligible[1:]
+        f"chosen over {c.cluster.name}: {_why_lost(c, winner, share, threshold, strategy)}" for c in eligible[1:]
     )
     winner.reasons.append("chosen")
 
@@ -181,78 +297,69 @@ def choose_cluster(
         spot=pool.spot,
         reasons=why,
         candidates=[c.as_dict() for c in candidates],
+        failovers=[{"cluster": k, "reason": v} for k, v in excluded.items()],
     )
 
 
-def _assess(run: AdmittedRun, c: Cluster, used: int, spilling: bool, excluded: str | None) -> _Candidate:
-    """Collect every reason the cluster cannot take the run; pick its pool if there is none."""
-    reasons: list[str] = []
-    if excluded is not None:
-        reasons.append(f"excluded{': ' + excluded if excluded else ''}")
-    if c.location == "public" and run.must_stay_private:
-        reasons.append("restricted data never leaves private clusters")
-    if run.cluster_preference in ("private", "public") and c.location != run.cluster_preference:
-        reasons.append(f"cluster_preference={run.cluster_preference}")
-    fitting: list[NodePool] = []
-    model_pools = [p for p in c.node_pools if p.gpu_model == run.gpu_type]
-    if not model_pools:
-        reasons.append(f"offers no {run.gpu_type} GPUs (has {', '.join(c.gpu_models)})")
-    else:
-        usable = [p for p in model_pools if not p.spot or run.spot_eligible]
-        if not usable:
-            reasons.append(
-                f"its {run.gpu_type} GPUs are spot only ({', '.join(p.name for p in model_pools)}); "
-                "spot needs interruptible=true and spot_allowed=true"
-            )
-        else:
-            fitting = [p for p in usable if p.gpus >= run.workers]
-            if not fitting:
-                biggest = max(p.gpus for p in usable)
-                reasons.append(
-                    f"largest usable {run.gpu_type} pool has {biggest} GPUs; the gang needs {run.workers} in one pool"
-                )
-    cand = _Candidate(cluster=c, reasons=reasons, used=used, load=used / c.total_gpus)
-    if reasons:
+def _assess(ctx: _Context, c: Cluster, used: int, queued: int, spilling: bool) -> _Candidate:
+    """Run every rule on the cluster, keep each failure; pick its pool if none failed."""
+    cand = _Candidate(
+        cluster=c, reasons=[], pools=list(c.node_pools), used=used, queued=queued,
+        load=(used + queued) / c.total_gpus,
+    )
+    for name, rule in RULES:
+        why = rule(ctx, cand)
+        cand.rules[name] = "pass" if why is None else why
+        if why is not None:
+            cand.reasons.append(why)
+    if cand.reasons:
         return cand
-    # Cheapest pool that fits (spot when allowed); more GPUs then name break ties deterministically.
-    cand.pool = min(fitting, key=lambda p: (c.price_of(p), -p.gpus, p.name))
+    # Cheapest pool that passed (spot when allowed); more GPUs then name break ties deterministically.
+    cand.pool = min(cand.pools, key=lambda p: (c.price_of(p), -p.gpus, p.name))
+    run = ctx.run
     if run.cluster_preference == "auto":
-        preferred = "public" if spilling else "private"
+        if run.placement_strategy == "elastic_first":
+            preferred = "public"
+        else:
+            preferred = "public" if spilling else "private"
         cand.tier = 0 if c.location == preferred else 1
     cand.reasons.append(
-        f"eligible: pool {cand.pool.name}, {used}/{c.total_gpus} GPUs in use, "
+        f"eligible: pool {cand.pool.name}, {used}/{c.total_gpus} GPUs in use, {queued} queued, "
         f"{c.pricing_class(cand.pool)} {cand.price:.2f} USD/GPU-hour"
     )
     return cand
 
 
-def _policy_reason(
-    run: AdmittedRun, winner: _Candidate, share: float, threshold: float, spilling: bool
-) -> list[str]:
+def _policy_reason(run: AdmittedRun, winner: _Candidate, share: float, threshold: float, spilling: bool) -> list[str]:
     loc = winner.cluster.location
-    busy = f"private clusters {share:.0%} in use"
+    busy = f"private clusters {share:.0%} in use or queued"
     if run.must_stay_private:
         return ["data is restricted: private clusters only"]
     if run.cluster_preference != "auto":
         return [f"cluster_preference={run.cluster_preference}: {loc} clusters only"]
-    if spilling:
+    if run.placement_strategy == "elastic_first":
+        out = ["auto, elastic_first: public capacity first"]
+        preferred = "public"
+    elif spilling:
         out = [f"auto: {busy} (>= spill threshold {threshold:.0%}), spilling to public"]
+        preferred = "public"
     else:
         out = [f"auto: {busy} (< spill threshold {threshold:.0%}), private first"]
+        preferred = "private"
     if winner.tier == 1:
-        out.append(f"no {'public' if spilling else 'private'} cluster is eligible, so {loc}")
+        out.append(f"no {preferred} cluster is eligible, so {loc}")
     return out
 
 
-def _why_lost(cand: _Candidate, winner: _Candidate, share: float, threshold: float) -> str:
+def _why_lost(cand: _Candidate, winner: _Candidate, share: float, threshold: float, strategy: str) -> str:
     if cand.tier != winner.tier:
+        if strategy == "elastic_first":
+            return "elastic_first: public clusters come first"
         if winner.cluster.location == "private":
-            return (
-                f"private clusters come first while under the spill threshold ({share:.0%} < {threshold:.0%})"
-            )
-        return f"spilling to public: private clusters {share:.0%} in use (>= {threshold:.0%})"
+            return f"private clusters come first while under the spill threshold ({share:.0%} < {threshold:.0%})"
+        return f"spilling to public: private clusters {share:.0%} in use or queued (>= {threshold:.0%})"
     if cand.load != winner.load:
-        return f"busier ({cand.load:.0%} vs {winner.load:.0%} of GPUs in use)"
+        return f"busier ({cand.load:.0%} vs {winner.load:.0%} of GPUs in use or queued)"
     if cand.price != winner.price:
         return f"dearer ({cand.price:.2f} vs {winner.price:.2f} USD/GPU-hour)"
     return "tied on load and price; name order decides"

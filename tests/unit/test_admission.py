@@ -124,6 +124,15 @@ BAD = [
     ({"dataset_uri": "private://datasets/half"}, "dataset_uri", "test.csv"),
     ({"dataset_uri": "s3://bucket/digits"}, "dataset_uri", "unknown scheme"),
     ({"dataset_uri": "private://../etc"}, "dataset_uri", "not a dataset path"),
+    ({"workers": -3}, "workers", "greater than or equal to 1"),
+    ({"workers": 10**9}, "workers", "at most 4"),
+    ({"placement_strategy": "cloud_first"}, "placement_strategy", "'elastic_first'"),
+    ({"max_price_per_gpu_hour": -1}, "max_price_per_gpu_hour", "greater than or equal to 0"),
+    ({"max_price_per_gpu_hour": "cheap"}, "max_price_per_gpu_hour", "valid number"),
+    ({"max_price_per_gpu_hour": 0.5}, "max_price_per_gpu_hour", "cheapest 1.20"),
+    ({"max_price_per_gpu_hour": 1.0, "cluster_preference": "public", "interruptible": True, "spot_allowed": True},
+     "max_price_per_gpu_hour", "cheapest 1.45"),
+    ({"gpu_type": "H100-80GB", "max_price_per_gpu_hour": 3.0}, "max_price_per_gpu_hour", "at least 3.90"),
 ]
 
 
@@ -152,3 +161,46 @@ def test_missing_private_root_is_not_created(estate: Estate, tmp_path: Path) -> 
         admit({}, estate, root)
     assert info.value.field == "dataset_uri"
     assert not root.exists()
+
+
+def test_team_cap_larger_than_the_gang_is_refused(tmp_path: Path, private_root: Path) -> None:
+    import shutil
+
+    target = tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", target)
+    path = target / "projects.yaml"
+    path.write_text(path.read_text().replace("gpu_cap: 4", "gpu_cap: 1"))
+    est = load_estate(target, use_cache=False)
+    with pytest.raises(AdmissionError) as info:
+        admit({"project": "ranking", "workers": 2}, est, private_root)
+    assert info.value.field == "workers" and "gpu_cap of 1" in str(info.value)
+
+
+def _refusing_estate(tmp_path: Path) -> Estate:
+    import shutil
+
+    target = tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", target)
+    path = target / "pipeline.yaml"
+    path.write_text(path.read_text().replace("over_team_cap: wait", "over_team_cap: refuse"))
+    return load_estate(target, use_cache=False)
+
+
+@pytest.mark.parametrize("priority", ["batch", "normal"])
+def test_run_past_the_team_cap_is_refused_when_configured(tmp_path: Path, private_root: Path, priority: str) -> None:
+    est = _refusing_estate(tmp_path)
+    before = snapshot(private_root)
+    with pytest.raises(AdmissionError) as info:
+        admit({"project": "ranking", "priority": priority}, est, private_root, team_usage={"search": 3})
+    assert info.value.field == "priority"
+    assert "holds 3 of its gpu_cap of 4" in str(info.value) and "at most 1 workers" in str(info.value)
+    assert snapshot(private_root) == before
+    # Within the cap, and critical runs past it, are admitted.
+    assert admit({"project": "ranking", "priority": priority}, est, private_root, team_usage={"search": 2})
+    assert admit({"project": "ranking", "priority": "critical"}, est, private_root, team_usage={"search": 4})
+
+
+def test_team_cap_waits_by_default(estate: Estate, private_root: Path) -> None:
+    # over_team_cap: wait (shipped): admit lets it in; the gang queues at admission instead.
+    run = admit({"project": "ranking", "priority": "batch"}, estate, private_root, team_usage={"search": 4})
+    assert run.priority == "batch"

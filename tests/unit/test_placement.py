@@ -219,3 +219,53 @@ def test_odd_usage_numbers_are_clamped(estate: Estate, run_for) -> None:
     d = choose_cluster(run_for(**SPOT), estate, {"onprem-a": -5, "cloud-east": 99, "gone": 3})
     assert d.cluster == "onprem-a"
     assert candidate(d, "cloud-east")["load"] == 1.0
+
+
+def test_every_candidate_records_each_rule(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(), estate, {})
+    east = candidate(d, "cloud-east")["rules"]
+    assert list(east) == ["excluded", "sovereignty", "preference", "gpu_model", "spot", "gang_fits", "price_ceiling"]
+    assert east["spot"].startswith("its A100-80GB GPUs are spot only")
+    assert set(candidate(d, "onprem-a")["rules"].values()) == {"pass"}
+
+
+def test_elastic_first_takes_public_capacity_while_private_is_idle(estate: Estate, run_for) -> None:
+    d = choose_cluster(run_for(placement_strategy="elastic_first", **SPOT), estate, {})
+    assert (d.cluster, d.node_pool) == ("cloud-east", "a100-spot")
+    assert any("elastic_first" in r for r in d.reasons)
+    assert any("elastic_first: public clusters come first" in r for r in candidate(d, "onprem-a")["reasons"])
+    # Restricted data ignores the strategy: it stays private.
+    private = choose_cluster(run_for(placement_strategy="elastic_first", sensitivity="restricted", **SPOT), estate, {})
+    assert private.cluster == "onprem-a"
+
+
+def test_queued_gangs_count_towards_the_spill_threshold(estate: Estate, run_for) -> None:
+    run = run_for(**SPOT)
+    assert choose_cluster(run, estate, {"onprem-a": 1}).cluster == "onprem-a"
+    # 1 in use + 2 queued of 4 = 75 % >= 70 %: the private queue is long enough to spill.
+    d = choose_cluster(run, estate, {"onprem-a": 1}, queued_gpus={"onprem-a": 2})
+    assert d.cluster == "cloud-east"
+    assert candidate(d, "onprem-a")["queued"] == 2
+
+
+def test_queue_is_ignored_when_spill_counts_queue_is_off(tmp_path: Path, run_for) -> None:
+    def off(clusters: dict, projects: dict, pipeline: dict) -> None:
+        pipeline["placement"]["spill_counts_queue"] = False
+
+    est = custom_estate(tmp_path, off)
+    assert choose_cluster(run_for(est, **SPOT), est, {"onprem-a": 1}, queued_gpus={"onprem-a": 2}).cluster == "onprem-a"
+
+
+def test_price_ceiling_rules_out_dearer_pools(tmp_path: Path, run_for) -> None:
+    est = custom_estate(tmp_path, _two_private)  # onprem-a 1.20, onprem-b 0.90
+    d = choose_cluster(run_for(est, max_price_per_gpu_hour=1.0), est, {"onprem-b": 3})
+    assert d.cluster == "onprem-b"  # busier, but the only one under the ceiling
+    assert "above max_price_per_gpu_hour=1" in candidate(d, "onprem-a")["rules"]["price_ceiling"]
+    assert any("price ceiling of 1 USD/GPU-hour" in r for r in d.reasons)
+
+
+def test_failover_history_is_part_of_the_decision(tmp_path: Path, run_for) -> None:
+    est = custom_estate(tmp_path, _two_private)
+    d = choose_cluster(run_for(est), est, {}, exclude={"onprem-b": "gang not admitted within 120 s"})
+    assert d.failovers == [{"cluster": "onprem-b", "reason": "gang not admitted within 120 s"}]
+    assert "failed over from:\n  - onprem-b: gang not admitted within 120 s" in d.explain()
