@@ -246,3 +246,39 @@ class _FixedClock(datetime):
     @classmethod
     def now(cls, tz=None):
         return AT
+
+
+# -- the nightly task against a ledger ------------------------------------------------------------
+def test_nightly_evaluation_reads_the_months_allocation_from_the_ledger(webhook, tmp_path, monkeypatch):
+    from sqlalchemy import text
+
+    from hybridflow.budgets.nightly import evaluate_budgets, period_to_evaluate
+    from hybridflow.budgets.spend import ALLOCATION_TABLE
+    from hybridflow.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", url)
+    engine = create_engine(url)
+    metadata.create_all(engine)
+    rows = [  # November does not count against December; ranking stays under 80 %
+        ("2026-11-30", "digits-ocr", 9000.0), ("2026-12-01", "digits-ocr", 12000.0),
+        ("2026-12-19", "digits-ocr", 9000.0), ("2026-12-19", "ranking", 100.0),
+    ]
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {ALLOCATION_TABLE} (day DATE, project TEXT, cost_usd FLOAT)"))
+        for day, project, cost in rows:
+            conn.execute(text(f"INSERT INTO {ALLOCATION_TABLE} VALUES (:d, :p, :c)"), {"d": day, "p": project, "c": cost})
+
+    class Event:
+        extra = {"day": "2026-12-19"}
+
+    period = period_to_evaluate({"hybridflow://ledger/allocations": [Event()]}, datetime(2027, 1, 2, tzinfo=UTC))
+    assert period == "2026-12"
+    assert period_to_evaluate({}, datetime(2027, 1, 2, tzinfo=UTC)) == "2027-01"
+    settings = Settings(home=tmp_path, config_dir=REPO_ROOT / "config")
+    out = evaluate_budgets(period, settings, at=AT)
+    by_project = {p["project"]: p for p in out["projects"]}
+    assert by_project["digits-ocr"]["spend_usd"] == 21000.0 and by_project["digits-ocr"]["notified"] == [0.8]
+    assert by_project["ranking"]["spend_usd"] == 100.0 and not by_project["ranking"]["notified"]
+    assert evaluate_budgets(period, settings, at=AT)["projects"][0]["notified"] == []  # cleared and re-run
+    assert len(webhook.received) == 1
