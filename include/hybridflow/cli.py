@@ -6,6 +6,7 @@
     hybridflow seed            write the demo dataset into private storage (images, compose init)
     hybridflow cache versions|prune --cluster C --dataset D
                                list a cloud cache's dataset versions, or prune the old ones
+    hybridflow dcgm URL|FILE   scrape a dcgm-exporter (or read a saved page), print per-GPU samples as JSON
 """
 
 from __future__ import annotations
@@ -160,6 +161,22 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_dcgm(args) -> int:
+    from datetime import UTC, datetime
+
+    from hybridflow.metering.dcgm import DcgmError, ScrapeSettings, scrape
+
+    settings = ScrapeSettings(connect_timeout_s=args.timeout, read_timeout_s=args.timeout, retries=args.retries)
+    try:
+        samples = scrape(args.source, cluster=args.cluster, ts=datetime.now(UTC), settings=settings,
+                         default_node=args.node)
+    except DcgmError as exc:
+        raise SystemExit(f"hybridflow dcgm: {exc}") from exc
+    json.dump([s.to_json() for s in samples], sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="never delete versions or blobs younger than this (default 24)")
     cache.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     cache.set_defaults(func=cmd_cache)
+    dcgm = sub.add_parser("dcgm", help="scrape a dcgm-exporter /metrics URL or read a saved page; print samples as JSON")
+    dcgm.add_argument("source", help="http(s)://node:9400/metrics, or a file holding such a page")
+    dcgm.add_argument("--cluster", default="adhoc", help="cluster name to put in the samples (default adhoc)")
+    dcgm.add_argument("--node", help="node name for exporters run without a Hostname label")
+    dcgm.add_argument("--timeout", type=float, default=5.0, help="connect and read timeout in seconds (default 5)")
+    dcgm.add_argument("--retries", type=int, default=2, help="retries on connection errors and 5xx (default 2)")
+    dcgm.set_defaults(func=cmd_dcgm)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,238 @@
+"""dcgm-exporter `/metrics`: scraping over HTTP and parsing into per-GPU samples.
+
+The exporter's label set varies by version and mode (see the reference samples): `UUID` or `uuid`,
+`Hostname` or `hostname`, `modelName` only in newer releases, pod labels only in Kubernetes mode and
+only on GPUs a pod holds (absent or empty otherwise), MIG series carry `GPU_I_PROFILE`/`GPU_I_ID`,
+vGPUs report no power or temperature. Every field a source did not report stays `None`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from hybridflow.errors import HybridFlowError
+from hybridflow.metering.records import GpuSample
+
+# DCGM reports "no value" as sentinels near the type's maximum rather than leaving the series out
+# (dcgm_structs.h: DCGM_INT64_BLANK = 0x7ffffffffffffff0 and the NOT_FOUND/NOT_SUPPORTED/
+# NOT_PERMISSIONED values just above it; DCGM_FP64_BLANK = 2**47 and its neighbours).
+_INT64_BLANK = float(0x7FFFFFFFFFFFFFF0)
+_FP64_BLANK = 140737488355328.0
+_SENTINEL_SPAN = 16.0
+
+_UUID_LABELS = ("UUID", "uuid", "gpu_uuid")
+_HOST_LABELS = ("Hostname", "hostname")
+_MODEL_LABELS = ("modelName", "model_name")
+
+# metric -> GpuSample field. ECC: volatile totals (since the driver loaded) first, aggregate second.
+_FIELDS: Mapping[str, str] = {
+    "DCGM_FI_DEV_GPU_UTIL": "util_pct",
+    "DCGM_FI_DEV_FB_USED": "mem_used_mib",
+    "DCGM_FI_DEV_FB_FREE": "mem_free_mib",
+    "DCGM_FI_DEV_POWER_USAGE": "power_w",
+    "DCGM_FI_DEV_GPU_TEMP": "temp_c",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "energy_mj",
+    "DCGM_FI_DEV_XID_ERRORS": "xid",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "ecc_sbe",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "ecc_dbe",
+}
+_FALLBACKS: Mapping[str, str] = {
+    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": "ecc_sbe",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": "ecc_dbe",
+    # MIG instances have no DCGM_FI_DEV_GPU_UTIL; the graphics-engine activity ratio is the
+    # profiling equivalent (0..1), scaled to percent below.
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "util_pct",
+}
+_INT_FIELDS = frozenset({"xid", "ecc_sbe", "ecc_dbe"})
+
+
+class DcgmError(HybridFlowError):
+    """An exporter could not be read or its output is not dcgm-exporter metrics."""
+
+
+class ExporterUnreachable(DcgmError):
+    """The endpoint did not answer (connection refused, DNS, timeout, 5xx after retries)."""
+
+
+class MalformedMetrics(DcgmError):
+    """The endpoint answered with something that is not the Prometheus text format of dcgm-exporter."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 10.0
+    retries: int = 2
+    backoff_s: float = 0.5
+    headers: Mapping[str, str] = field(default_factory=dict)
+    auth: tuple[str, str] | None = None
+
+
+def is_blank(value: float) -> bool:
+    """True for NaN and the DCGM "blank"/"not supported" sentinels."""
+    if math.isnan(value) or math.isinf(value):
+        return True
+    return value >= _INT64_BLANK - 1 or _FP64_BLANK <= value < _FP64_BLANK + _SENTINEL_SPAN
+
+
+def _session(settings: ScrapeSettings) -> requests.Session:
+    session = requests.Session()
+    retry = Retry(
+        total=settings.retries,
+        connect=settings.retries,
+        read=settings.retries,
+        status=settings.retries,
+        backoff_factor=settings.backoff_s,
+        status_forcelist=(500, 502, 503, 504),
+        allowed_methods=frozenset({"GET"}),
+        raise_on_status=True,
+    )
+    adapter = HTTPAdapter(max_retries=retry)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    session.headers.update(settings.headers)
+    if settings.auth:
+        session.auth = settings.auth
+    return session
+
+
+def fetch(url: str, settings: ScrapeSettings | None = None) -> str:
+    """GET an exporter's metrics page; transient failures are retried with backoff."""
+    settings = settings or ScrapeSettings()
+    with _session(settings) as session:
+        try:
+            resp = session.get(url, timeout=(settings.connect_timeout_s, settings.read_timeout_s))
+        except requests.exceptions.RetryError as exc:
+            raise ExporterUnreachable(
+                f"{url}: the exporter kept answering with server errors after {settings.retries} "
+                f"retries ({exc}); check the dcgm-exporter pod's logs on that node"
+            ) from exc
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            raise ExporterUnreachable(
+                f"{url}: no answer within {settings.connect_timeout_s:g}s connect / "
+                f"{settings.read_timeout_s:g}s read after {settings.retries} retries ({type(exc).__name__}); "
+                "check the URL in metering.clusters and that dcgm-exporter listens there (default port 9400)"
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise ExporterUnreachable(f"{url}: request failed ({exc}); check the URL") from exc
+    if resp.status_code != 200:
+        raise ExporterUnreachable(
+            f"{url}: HTTP {resp.status_code} {resp.reason}; expected 200 with the metrics page "
+            "(dcgm-exporter serves it at /metrics; check the path and the connection's credentials)"
+        )
+    return resp.text
+
+
+def read_source(source: str, settings: ScrapeSettings | None = None) -> str:
+    """An http(s) URL is scraped; anything else is read as a file holding a metrics page."""
+    if source.startswith(("http://", "https://")):
+        return fetch(source, settings)
+    path = Path(source)
+    if not path.is_file():
+        raise DcgmError(f"{source}: neither an http(s) URL nor a readable file; give the exporter's /metrics URL")
+    return path.read_text(encoding="utf-8")
+
+
+def _label(labels: Mapping[str, str], names: Iterable[str]) -> str | None:
+    for name in names:
+        value = labels.get(name)
+        if value:
+            return value
+    return None
+
+
+def _index(labels: Mapping[str, str]) -> int | None:
+    raw = labels.get("gpu", "")
+    return int(raw) if raw.isdigit() else None
+
+
+def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text>",
+                  default_node: str | None = None) -> list[GpuSample]:
+    """Per-GPU (and per-MIG-instance) samples of one metrics page, in exporter order.
+
+    `ts` is the scrape time (timezone-aware UTC); `default_node` names the node when the exporter
+    runs without a Hostname label.
+    """
+    if ts.tzinfo is None or ts.utcoffset() is None or ts.utcoffset().total_seconds() != 0:
+        raise ValueError(f"ts={ts!r}: give a timezone-aware UTC datetime (datetime.now(UTC))")
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, TypeError) as exc:
+        raise MalformedMetrics(
+            f"{source}: not Prometheus text format ({exc}); expected dcgm-exporter's /metrics page"
+        ) from exc
+    groups: dict[tuple[str, str, str, str], dict] = {}
+    seen_dcgm = False
+    for family in families:
+        for sample in family.samples:
+            # the parser names counter samples `<family>_total`; dcgm-exporter's names are the family's
+            name = family.name if sample.name == f"{family.name}_total" else sample.name
+            if not name.startswith("DCGM_"):
+                continue
+            seen_dcgm = True
+            target = _FIELDS.get(name)
+            fallback = _FALLBACKS.get(name)
+            labels = sample.labels
+            uuid = _label(labels, _UUID_LABELS)
+            if uuid is None or (target is None and fallback is None):
+                continue  # NVSwitch/link-level series and metrics we do not meter
+            node = _label(labels, _HOST_LABELS) or default_node
+            if node is None:
+                raise MalformedMetrics(
+                    f"{source}: series {name} for {uuid} has no Hostname label; "
+                    "pass the node name (--node / default_node) for exporters run without one"
+                )
+            mig_profile = labels.get("GPU_I_PROFILE") or None
+            mig_instance = labels.get("GPU_I_ID") or None
+            key = (node, uuid, mig_profile or "", mig_instance or "")
+            group = groups.setdefault(key, {
+                "ts": ts, "cluster": cluster, "node": node, "gpu_uuid": uuid,
+                "gpu_index": _index(labels), "gpu_model": _label(labels, _MODEL_LABELS),
+                "mig_profile": mig_profile, "mig_instance": mig_instance,
+                "namespace": None, "pod": None, "container": None, "_fallback": {},
+            })
+            for k8s_label in ("namespace", "pod", "container"):
+                if group[k8s_label] is None and labels.get(k8s_label):
+                    group[k8s_label] = labels[k8s_label]
+            value = float(sample.value)
+            if is_blank(value):
+                continue
+            if target is not None:
+                group[target] = value
+            else:
+                if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE":
+                    value *= 100.0
+                group["_fallback"][fallback] = value
+    if not seen_dcgm:
+        raise MalformedMetrics(
+            f"{source}: no DCGM_ series in the page; is this a dcgm-exporter endpoint (port 9400, /metrics)?"
+        )
+    return [_to_sample(group) for group in groups.values()]
+
+
+def _to_sample(group: dict) -> GpuSample:
+    fallback = group.pop("_fallback")
+    values = {}
+    for name in ("util_pct", "mem_used_mib", "mem_free_mib", "power_w", "temp_c", "energy_mj",
+                 "xid", "ecc_sbe", "ecc_dbe"):
+        value = group.get(name, fallback.get(name))
+        if value is not None and name in _INT_FIELDS:
+            value = int(value)
+        values[name] = value
+    base = {k: v for k, v in group.items() if k not in values}
+    return GpuSample(**base, **values)
+
+
+def scrape(url: str, *, cluster: str, ts: datetime, settings: ScrapeSettings | None = None,
+           default_node: str | None = None) -> list[GpuSample]:
+    return parse_metrics(read_source(url, settings), cluster=cluster, ts=ts, source=url,
+                         default_node=default_node)
