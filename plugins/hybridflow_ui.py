@@ -1,18 +1,23 @@
-"""HybridFlow pages in the Airflow UI: the training runs list (top navigation) and, on every DAG
-run, a *Placement & record* tab. The pages live in :mod:`hybridflow.ui.runs`."""
+"""HybridFlow pages in the Airflow UI: the training runs list and GPU costs & budgets (top
+navigation) and, on every DAG run, *Placement & record* and *Cost & budget* tabs. The pages live in
+:mod:`hybridflow.ui.runs` and :mod:`hybridflow.ui.costs`."""
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from hybridflow.ui.costs import add_cost_pages
 from hybridflow.ui.runs import create_app
 
 URL_PREFIX = "/hybridflow"
 
+app = create_app()
+add_cost_pages(app)
+
 
 class HybridFlowUIPlugin(AirflowPlugin):
     name = "hybridflow_ui"
-    fastapi_apps = [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "HybridFlow runs"}]
+    fastapi_apps = [{"app": app, "url_prefix": URL_PREFIX, "name": "HybridFlow runs"}]
     external_views = [
         {
             "name": "Training runs",
@@ -27,5 +32,18 @@ class HybridFlowUIPlugin(AirflowPlugin):
             "href": f"{URL_PREFIX}/runs/{{DAG_ID}}/{{RUN_ID}}",
             "destination": "dag_run",
             "url_route": "hybridflow-run",
+        },
+        {
+            "name": "GPU costs & budgets",
+            "href": f"{URL_PREFIX}/costs",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "hybridflow-costs",
+        },
+        {
+            "name": "Cost & budget",
+            "href": f"{URL_PREFIX}/costs/runs/{{DAG_ID}}/{{RUN_ID}}",
+            "destination": "dag_run",
+            "url_route": "hybridflow-run-cost",
         },
     ]

@@ -1,0 +1,234 @@
+"""GPU costs and budgets in the Airflow UI: the latest nightly allocation report, each project's
+budget state for the month (spend, share, notifications sent, frozen and why, how to lift it), and
+per DAG run the cost of that run and the state of its project's budget.
+
+Mounted on the plugin app of :mod:`hybridflow.ui.runs` under ``/hybridflow/costs``; access needs read
+access to the DAG runs concerned, like the runs pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, date, datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from hybridflow.budgets.config import FREEZE_AT, period_of
+from hybridflow.runs import RunIdentity
+from hybridflow.ui.runs import _cell, _kv_table, _page, _read_json
+
+# Where the nightly allocation writes its HTML report, one folder per day: <day>/report.html.
+ALLOCATION_REPORTS = Path("reports") / "allocation"
+REPORT_FILE = "report.html"
+BUDGETS_DAG = "gpu_budgets"
+
+_BUDGET_STYLE = """
+.frozen { background: #ffebe9; } .warn { background: #fff8c5; } .bar { display: inline-block; height: .7rem;
+background: #0969da; vertical-align: middle; } .bar.over { background: #cf222e; }
+iframe { width: 100%; height: 70vh; border: 1px solid #d8dee4; }
+"""
+
+
+def latest_report(private_root: Path) -> tuple[str, Path] | None:
+    """(day, path) of the newest allocation report in private storage, if any."""
+    base = private_root / ALLOCATION_REPORTS
+    days = sorted(p.parent.name for p in base.glob(f"*/{REPORT_FILE}")) if base.is_dir() else []
+    return (days[-1], base / days[-1] / REPORT_FILE) if days else None
+
+
+def budget_rows(config_dir: Path, store, period: str) -> list[dict[str, Any]]:
+    """Every budgeted project for ``period``: its budget and, once evaluated, its recorded state."""
+    from hybridflow.budgets.config import load_budgets
+    from hybridflow.config import load_estate
+
+    estate = load_estate(config_dir)
+    cfg = load_budgets(config_dir, estate)
+    states = {s.project: s for s in store.all(period)} if store is not None else {}
+    rows = []
+    for project in sorted(cfg.projects):
+        s = states.get(project)
+        rows.append({
+            "project": project,
+            "team": estate.projects[project].team,
+            "period": period,
+            "budget_usd": cfg.budget_for(project, period),
+            "spend_usd": s.spend_usd if s else None,
+            "share": s.share if s else None,
+            "notified": list(s.notified) if s else [],
+            "frozen": bool(s and s.frozen),
+            "reason": s.reason if s else None,
+            "evaluated_at": s.evaluated_at.isoformat(timespec="seconds") if s else None,
+        })
+    return rows
+
+
+def _usd(value: float | None) -> str:
+    return _cell(None) if value is None else escape(f"{value:,.2f}")
+
+
+def _bar(share: float | None) -> str:
+    if share is None:
+        return _cell(None)
+    width = min(share, 1.2) * 100
+    over = " over" if share >= FREEZE_AT else ""
+    return f"<span class='bar{over}' style='width:{width:.0f}px'></span> {share:.1%}"
+
+
+def render_budgets(rows: list[dict[str, Any]], period: str) -> str:
+    if not rows:
+        return "<p class='muted'>No project has a budget: add them to config/budgets.yaml.</p>"
+    body = []
+    for r in rows:
+        css = "frozen" if r["frozen"] else ("warn" if r["notified"] else "")
+        state = "frozen" if r["frozen"] else ("not evaluated yet" if r["spend_usd"] is None else "open")
+        notified = ", ".join(f"{t:.0%}" for t in r["notified"]) or None
+        body.append(
+            f"<tr class='{css}'><td>{escape(r['project'])}</td><td>{escape(r['team'])}</td>"
+            f"<td>{_usd(r['budget_usd'])}</td><td>{_usd(r['spend_usd'])}</td><td>{_bar(r['share'])}</td>"
+            f"<td>{_cell(notified)}</td><td>{state}</td><td>{_cell(r['reason'])}</td>"
+            f"<td>{_cell(r['evaluated_at'])}</td></tr>"
+        )
+    return (
+        f"<table><tr><th>project</th><th>team</th><th>budget {escape(period)} (USD)</th><th>spent (USD)</th>"
+        "<th>share</th><th>notified at</th><th>state</th><th>why / how to lift</th><th>evaluated</th></tr>"
+        + "".join(body) + "</table>"
+    )
+
+
+def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Path] | None, ledger_note: str) -> str:
+    parts = [f"<h1>GPU costs &amp; budgets</h1><h2>Budgets for {escape(period)}</h2>", render_budgets(rows, period)]
+    if ledger_note:
+        parts.append(f"<p class='muted'>{escape(ledger_note)}</p>")
+    parts.append("<h2>Latest allocation report</h2>")
+    if report:
+        day = escape(report[0])
+        parts.append(
+            f"<p>Day {day}: <a href='costs/report/{day}' target='_blank'>open in a new tab</a></p>"
+            f"<iframe src='costs/report/{day}' title='allocation report {day}'></iframe>"
+        )
+    else:
+        parts.append("<p class='muted'>No allocation report yet: the nightly allocation has not run.</p>")
+    return _page("GPU costs & budgets", f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
+
+
+def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_id: str) -> dict[str, Any]:
+    """A training run's cost from its record, and its project's budget in the month it was recorded."""
+    run_key = RunIdentity(dag_id, run_id).run_key
+    record = next((_read_json(p) for p in sorted(private_root.glob(f"records/*/{run_key}.json"))), None)
+    if not record:
+        return {"dag_id": dag_id, "run_id": run_id, "record": None, "budget": None}
+    recorded = record.get("recorded_at")
+    period = period_of(datetime.fromisoformat(recorded).date() if recorded else datetime.now(UTC).date())
+    price, hours = record.get("price_per_gpu_hour"), record.get("gpu_hours")
+    budget = next((r for r in budget_rows(config_dir, store, period) if r["project"] == record.get("project")), None)
+    return {
+        "dag_id": dag_id, "run_id": run_id, "record": record, "period": period, "budget": budget,
+        "cost_usd": round(price * hours, 4) if price is not None and hours is not None else None,
+    }
+
+
+def render_run_cost(view: dict[str, Any]) -> str:
+    title = f"Cost of {view['dag_id']} / {view['run_id']}"
+    parts = [f"<h1>{escape(title)}</h1>"]
+    rec = view["record"]
+    if not rec:
+        parts.append(
+            "<p class='muted'>No run record yet: the cost is known once the record step has run. "
+            "Project budgets: <a href='../../../costs'>GPU costs &amp; budgets</a>.</p>"
+        )
+        return _page(title, "".join(parts))
+    parts.append(_kv_table([
+        ("project / team", f"{rec.get('project')} / {rec.get('team')}"),
+        ("priority", rec.get("priority")),
+        ("cluster / pricing", f"{rec.get('cluster')} / {rec.get('pricing_class')}"),
+        ("GPU-hours (every attempt)", rec.get("gpu_hours")),
+        ("USD per GPU-hour", rec.get("price_per_gpu_hour")),
+        ("cost (USD, before the nightly allocation)", view["cost_usd"]),
+        ("budget override", rec.get("budget_override")),
+    ]))
+    parts.append(f"<h2>Budget of {escape(str(rec.get('project')))} for {escape(view['period'])}</h2>")
+    if view["budget"]:
+        parts.append(render_budgets([view["budget"]], view["period"]))
+    else:
+        parts.append("<p class='muted'>The project has no budget in config/budgets.yaml.</p>")
+    parts.append("<p><a href='../../../costs'>All projects and the latest allocation report</a></p>")
+    return _page(title, f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
+
+
+def add_cost_pages(
+    app,
+    *,
+    private_root: Path | None = None,
+    config_dir: Path | None = None,
+    store_factory: Callable[[], Any] | None = None,
+    today: Callable[[], date] | None = None,
+    authorize: bool = True,
+) -> None:
+    """Mount the cost pages on the plugin app. ``authorize=False`` only for tests without an api-server."""
+    from fastapi import Depends, HTTPException
+    from fastapi.responses import FileResponse, HTMLResponse
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from hybridflow.settings import get_settings
+
+    def paths() -> tuple[Path, Path]:
+        s = get_settings()
+        return private_root or s.private_root, config_dir or s.config_dir
+
+    def open_store():
+        from hybridflow.budgets.enforce import default_store
+
+        return (store_factory or default_store)()
+
+    overview_access: list = []
+    run_access: list = []
+    if authorize:
+        from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+        from airflow.api_fastapi.core_api.security import requires_access_dag
+
+        overview_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=BUDGETS_DAG))]
+        run_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
+
+    def current_rows(root_config: Path, period: str) -> tuple[list[dict], str]:
+        store = open_store()
+        note = "" if store is not None else "No ledger yet: budgets are evaluated after the first nightly allocation."
+        try:
+            return budget_rows(root_config, store, period), note
+        except SQLAlchemyError as exc:  # shown, not hidden: the operator must see the ledger is unreadable
+            return budget_rows(root_config, None, period), f"The ledger could not be read: {exc.__class__.__name__}: {exc}"
+
+    @app.get("/costs", response_class=HTMLResponse, dependencies=overview_access)
+    def costs_page() -> str:
+        root, cfg_dir = paths()
+        period = period_of((today or (lambda: datetime.now(UTC).date()))())
+        rows, note = current_rows(cfg_dir, period)
+        return render_costs(rows, period, latest_report(root), note)
+
+    @app.get("/api/costs/budgets", dependencies=overview_access)
+    def budgets_json() -> dict:
+        _, cfg_dir = paths()
+        period = period_of((today or (lambda: datetime.now(UTC).date()))())
+        rows, note = current_rows(cfg_dir, period)
+        return {"period": period, "projects": rows, "note": note}
+
+    @app.get("/costs/report/{day}", dependencies=overview_access)
+    def report_file(day: str):
+        root, _ = paths()
+        try:
+            date.fromisoformat(day)  # also keeps the path inside the reports folder
+        except ValueError:
+            raise HTTPException(404, f"{day!r} is not a day (YYYY-MM-DD)") from None
+        path = root / ALLOCATION_REPORTS / day / REPORT_FILE
+        if not path.is_file():
+            raise HTTPException(404, f"no allocation report for {day}")
+        return FileResponse(path, media_type="text/html")
+
+    @app.get("/costs/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=run_access)
+    def run_cost_page(dag_id: str, run_id: str) -> str:
+        root, cfg_dir = paths()
+        try:
+            view = run_cost_view(root, cfg_dir, open_store(), dag_id, run_id)
+        except SQLAlchemyError:  # the cost still shows; the budget column reads "not evaluated yet"
+            view = run_cost_view(root, cfg_dir, None, dag_id, run_id)
+        return render_run_cost(view)

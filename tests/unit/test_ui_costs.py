@@ -1,0 +1,111 @@
+"""The GPU costs & budgets pages: each project's budget state as an operator reads it, the latest
+allocation report, a run's cost and its project's budget, and that Airflow guards the pages."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine
+
+from hybridflow.budgets.evaluate import freeze_reason
+from hybridflow.budgets.store import BudgetStore, metadata
+from hybridflow.records import write_record
+from hybridflow.runs import RunIdentity
+from hybridflow.settings import REPO_ROOT
+from hybridflow.ui.costs import add_cost_pages
+
+AT = datetime(2026, 12, 20, 3, 0, tzinfo=UTC)
+RUN_ID = "manual__2026-12-19T10:00:00+00:00"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BudgetStore:
+    engine = create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    metadata.create_all(engine)
+    return BudgetStore(engine)
+
+
+def _client(tmp_path: Path, store) -> TestClient:
+    app = FastAPI()
+    add_cost_pages(app, private_root=tmp_path / "private", config_dir=REPO_ROOT / "config",
+                   store_factory=lambda: store, today=lambda: date(2026, 12, 21), authorize=False)
+    return TestClient(app)
+
+
+def _frozen(store: BudgetStore) -> None:
+    reason = freeze_reason("digits-ocr", "2026-12", 25_010.0, 25_000.0)
+    store.record("digits-ocr", "2026-12", budget_usd=25_000, spend_usd=25_010, frozen=True, reason=reason, at=AT)
+    store.notify_once("digits-ocr", "2026-12", 0.8, spend_usd=20_100, budget_usd=25_000, send=lambda: None, at=AT)
+    store.notify_once("digits-ocr", "2026-12", 1.0, spend_usd=25_010, budget_usd=25_000, send=lambda: None, at=AT)
+
+
+def test_costs_page_shows_each_projects_budget_state_and_how_to_lift_a_freeze(tmp_path, store):
+    _frozen(store)
+    html = _client(tmp_path, store).get("/costs").text
+    assert "Budgets for 2026-12" in html
+    assert "<tr class='frozen'><td>digits-ocr</td><td>perception</td><td>25,000.00</td><td>25,010.00</td>" in html
+    assert "100.0%" in html and "80%, 100%" in html and "<td>frozen</td>" in html
+    assert "raise projects.digits-ocr.months.&quot;2026-12&quot;" in html
+    # ranking has a budget but has not been evaluated this month.
+    assert "<td>ranking</td><td>search</td><td>8,000.00</td>" in html and "not evaluated yet" in html
+    assert "No allocation report yet" in html
+    body = _client(tmp_path, store).get("/api/costs/budgets").json()
+    frozen = {p["project"]: p["frozen"] for p in body["projects"]}
+    assert frozen == {"digits-ocr": True, "ranking": False}
+
+
+def test_costs_page_embeds_the_latest_allocation_report(tmp_path, store):
+    reports = tmp_path / "private" / "reports" / "allocation"
+    for day in ("2026-12-18", "2026-12-19"):
+        (reports / day).mkdir(parents=True)
+        (reports / day / "report.html").write_text(f"<h1>GPU cost {day}</h1>")
+    client = _client(tmp_path, store)
+    html = client.get("/costs").text
+    assert "<iframe src='costs/report/2026-12-19'" in html
+    assert client.get("/costs/report/2026-12-19").text == "<h1>GPU cost 2026-12-19</h1>"
+    assert client.get("/costs/report/2026-12-01").status_code == 404
+    assert client.get("/costs/report/..%2F..%2Frecords").status_code == 404
+
+
+def test_without_a_ledger_the_page_says_budgets_are_not_evaluated_yet(tmp_path):
+    html = _client(tmp_path, None).get("/costs").text
+    assert "No ledger yet" in html and "<td>digits-ocr</td>" in html
+
+
+def test_run_cost_tab_shows_the_runs_cost_and_its_projects_budget(tmp_path, store):
+    _frozen(store)
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    write_record(tmp_path / "private", {
+        "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
+        "team": "perception", "priority": "critical", "budget_override": "INC-42 hotfix", "cluster": "onprem-a",
+        "pricing_class": "onprem", "gpu_hours": 2.0, "price_per_gpu_hour": 1.25,
+        "recorded_at": "2026-12-19T10:30:00+00:00",
+    })
+    client = _client(tmp_path, store)
+    html = client.get(f"/costs/runs/hybrid_training/{RUN_ID}").text
+    assert "<td>2.5</td>" in html and "INC-42 hotfix" in html
+    assert "Budget of digits-ocr for 2026-12" in html and "<td>frozen</td>" in html
+    missing = client.get("/costs/runs/hybrid_training/<b>nope</b>").text
+    assert "No run record yet" in missing and "<b>nope" not in missing
+
+
+@pytest.mark.airflow
+def test_cost_pages_are_in_the_plugin_and_need_a_signed_in_user():
+    from airflow import plugins_manager
+    from airflow.api_fastapi.app import create_app as create_api_server
+
+    plugins, _ = plugins_manager._get_plugins()
+    ours = next(p for p in plugins if p.name == "hybridflow_ui")
+    views = {v["url_route"]: v for v in ours.external_views}
+    assert views["hybridflow-costs"]["destination"] == "nav"
+    assert views["hybridflow-run-cost"] == {
+        "name": "Cost & budget", "href": "/hybridflow/costs/runs/{DAG_ID}/{RUN_ID}",
+        "destination": "dag_run", "url_route": "hybridflow-run-cost",
+    }
+    api = TestClient(create_api_server(apps="core"))
+    assert api.get("/hybridflow/costs").status_code == 401
+    assert api.get(f"/hybridflow/costs/runs/hybrid_training/{RUN_ID}").status_code == 401
