@@ -1,5 +1,13 @@
 """The local gang backend: a training gang as N worker processes on this machine.
 
+What the train task needs from a gang backend (the Kubernetes backend provides the same):
+``run(GangJob, admission_timeout_s=, log=) -> GangResult`` (blocks until every worker exited 0;
+raises :class:`GangNotAdmitted` when the gang was not admitted in time, so the caller can fail over
+to the next placement candidate, :class:`GangPreempted` after a checkpointed stop it may relaunch,
+:class:`GangStopped` for a stop for good, :class:`GangFailed` otherwise), ``cancel(job_name)`` for
+``on_kill``, and ``usage()`` / ``queued()`` (GPUs held and waiting) for placement. ``GangJob.labels``
+carries project, team and priority; ``team_cap`` on the job holds a team at its ``gpu_cap``.
+
 A cluster's GPUs are modelled as slots in a pool file shared by every launcher on the machine
 (Airflow workers, tests, the CLI). A gang is admitted only when all of its slots can be taken at
 once: a partial gang would hold slots while waiting on peers that never start, and two such gangs
@@ -47,6 +55,14 @@ class GangWorkerExit(GangError):
         self.log_tail = log_tail
 
 
+class GangNotAdmitted(GangError):
+    """The gang's slots did not all come free within the admission timeout; nothing was started."""
+
+    def __init__(self, message: str, *, cluster: str) -> None:
+        super().__init__(message)
+        self.cluster = cluster
+
+
 class GangPreempted(GangWorkerExit):
     """A worker stopped on SIGTERM after checkpointing (exit 75): rerun the gang to resume."""
 
@@ -71,9 +87,19 @@ class GangJob:
     spec: dict  # written to job.json for the workers; must not hold credentials
     env: dict[str, str] = field(default_factory=dict, repr=False)  # extra env, incl. store credentials
     attempt: str = "1"
-    # Who the gang works for (project, priority, interruptible), kept with the running gang so a
-    # budget freeze can find a project's gangs.
+    # Who the gang works for (project, team, priority, interruptible), kept with the running gang so a
+    # budget freeze can find a project's gangs and admission can order, cap and preempt by them.
     labels: dict[str, str] = field(default_factory=dict)
+    # The team's gpu_cap over every local cluster (None: no cap, e.g. critical runs).
+    team_cap: int | None = None
+
+    @property
+    def priority(self) -> str:
+        return self.labels.get("priority", "normal")
+
+    @property
+    def team(self) -> str | None:
+        return self.labels.get("team")
 
 
 @dataclass(frozen=True)
@@ -170,11 +196,22 @@ def _atomic_write_json(path: Path, body: dict) -> None:
 
 
 # -- slot pool ---------------------------------------------------------------------------------
+PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}
+TEAMS_LOCK = "_teams.lock"
+
+
 class LocalSlotPool:
     """``capacity`` slots of one cluster, shared across processes via a JSON file under flock.
 
     flock on a freshly opened file excludes other processes *and* other threads of this process
     (each open is its own lock owner), unlike lockf.
+
+    Gangs that wait leave a ticket (``queue=True``); slots go to tickets in priority then arrival
+    order, and a gang never overtakes a ticket ranked ahead of it (no starving a big gang behind
+    a stream of small ones). A ticket held back only by its own team's cap does not block others.
+    Team caps span every cluster under ``state_dir``: acquires with a cap take one estate-wide lock
+    first (always before a cluster lock, so two locks never deadlock), and only acquires raise a
+    team's count, so the count read under that lock is exact.
     """
 
     def __init__(self, state_dir: Path, cluster: str, capacity: int) -> None:
@@ -187,31 +224,68 @@ class LocalSlotPool:
         self.lock_path = self.dir / f"{cluster}.lock"
 
     @contextmanager
-    def _locked(self) -> Iterator[dict]:
+    def _flock(self, path: Path) -> Iterator[None]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+") as lock:
+        with open(path, "a+") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
-                try:
-                    state = json.loads(self.path.read_text())
-                except FileNotFoundError:
-                    state = {}
-                state.setdefault("holdings", {})
-                before = json.dumps(state, sort_keys=True)
-                self._reclaim_dead(state["holdings"])
-                yield state
-                if json.dumps(state, sort_keys=True) != before:
-                    _atomic_write_json(self.path, state)
+                yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        with self._flock(self.lock_path):
+            try:
+                state = json.loads(self.path.read_text())
+            except FileNotFoundError:
+                state = {}
+            state.setdefault("holdings", {})
+            state.setdefault("waiting", {})
+            before = json.dumps(state, sort_keys=True)
+            self._reclaim_dead(state["holdings"])
+            self._reclaim_dead(state["waiting"])
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                _atomic_write_json(self.path, state)
 
     def _reclaim_dead(self, holdings: dict) -> None:
         for name, h in list(holdings.items()):
             if not pid_alive(int(h["pid"]), h.get("pid_start")):
                 del holdings[name]
 
-    def try_acquire(self, job_name: str, n: int, pid: int | None = None) -> bool:
-        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name."""
+    def _team_held_elsewhere(self, team: str) -> int:
+        """GPUs ``team`` holds on the other clusters' pools (read under the teams lock)."""
+        held = 0
+        for path in self.dir.glob("*.json"):
+            if path == self.path:
+                continue
+            try:
+                holdings = json.loads(path.read_text()).get("holdings", {})
+            except (FileNotFoundError, ValueError):
+                continue
+            held += sum(
+                int(h["slots"]) for h in holdings.values()
+                if h.get("team") == team and pid_alive(int(h["pid"]), h.get("pid_start"))
+            )
+        return held
+
+    def try_acquire(
+        self,
+        job_name: str,
+        n: int,
+        pid: int | None = None,
+        *,
+        priority: str = "normal",
+        team: str | None = None,
+        team_cap: int | None = None,
+        queue: bool = False,
+    ) -> bool:
+        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name.
+
+        ``queue=True`` leaves (or refreshes) a ticket when the gang cannot start yet; it is removed
+        when the gang is admitted, by :meth:`withdraw`, or when its process dies.
+        """
         if n < 1:
             raise ValueError(f"a gang needs at least one worker, got {n}")
         if n > self.capacity:
@@ -219,20 +293,58 @@ class LocalSlotPool:
                 f"gang {job_name!r} needs {n} slots but cluster {self.cluster!r} has only "
                 f"{self.capacity}; request at most {self.capacity} workers"
             )
+        if priority not in PRIORITY_RANK:
+            raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_RANK)}")
         pid = os.getpid() if pid is None else pid
+        if team is not None and team_cap is not None:
+            with self._flock(self.dir / TEAMS_LOCK):
+                elsewhere = self._team_held_elsewhere(team)
+                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue)
+        return self._try(job_name, n, pid, priority, team, None, 0, queue)
+
+    def _try(self, job_name: str, n: int, pid: int, priority: str, team: str | None, team_cap: int | None,
+             team_elsewhere: int, queue: bool) -> bool:
         with self._locked() as state:
-            holdings = state["holdings"]
+            holdings, waiting = state["holdings"], state["waiting"]
             mine = holdings.get(job_name)
+            ticket = waiting.get(job_name)
+            now = time.time()
+            since = ticket["since"] if ticket else now
             used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
-            if used + n > self.capacity:
+            over_cap = False
+            if team_cap is not None:
+                team_here = sum(
+                    int(h["slots"]) for name, h in holdings.items() if name != job_name and h.get("team") == team
+                )
+                over_cap = team_elsewhere + team_here + n > team_cap
+            my_rank = (PRIORITY_RANK[priority], since)
+            ahead = [
+                name for name, t in waiting.items()
+                if name != job_name and not t.get("over_cap")
+                and (PRIORITY_RANK.get(t.get("priority"), 1), t["since"]) < my_rank
+            ]
+            if mine is None and (over_cap or ahead or used + n > self.capacity):
+                if queue:
+                    waiting[job_name] = {
+                        "slots": n, "priority": priority, "team": team, "over_cap": over_cap,
+                        "since": since, "pid": pid, "pid_start": _start_ticks(pid),
+                    }
                 return False
+            waiting.pop(job_name, None)
             holdings[job_name] = {
                 "slots": n,
                 "pid": pid,
                 "pid_start": _start_ticks(pid),
-                "since": mine["since"] if mine else time.time(),
+                "priority": priority,
+                "team": team,
+                "since": mine["since"] if mine else now,
             }
             return True
+
+    def withdraw(self, job_name: str) -> None:
+        """Drop the gang's waiting ticket (it gave up or failed over)."""
+        with self._locked() as state:
+            state["waiting"].pop(job_name, None)
 
     def release(self, job_name: str) -> None:
         with self._locked() as state:
@@ -242,9 +354,18 @@ class LocalSlotPool:
         with self._locked() as state:
             return sum(int(h["slots"]) for h in state["holdings"].values())
 
+    def queued(self) -> int:
+        """Slots asked for by gangs waiting for admission."""
+        with self._locked() as state:
+            return sum(int(t["slots"]) for t in state["waiting"].values())
+
     def holdings(self) -> dict[str, dict]:
         with self._locked() as state:
             return dict(state["holdings"])
+
+    def waiting(self) -> dict[str, dict]:
+        with self._locked() as state:
+            return dict(state["waiting"])
 
 
 # -- gang backend ------------------------------------------------------------------------------
@@ -259,12 +380,20 @@ class LocalGangBackend:
         *,
         grace_s: float = 30.0,
         poll_s: float = 0.2,
+        critical_preempts_batch: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.cluster = cluster
         self.pool = LocalSlotPool(self.state_dir, cluster, capacity)
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self.critical_preempts_batch = critical_preempts_batch
+
+    def usage(self) -> int:
+        return self.pool.usage()
+
+    def queued(self) -> int:
+        return self.pool.queued()
 
     def job_dir(self, job_name: str) -> Path:
         return self.state_dir / "jobs" / job_name
@@ -279,17 +408,56 @@ class LocalGangBackend:
     def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None]) -> None:
         deadline = time.monotonic() + admission_timeout_s
         announced = False
-        while not self.pool.try_acquire(job.name, job.workers):
-            if time.monotonic() >= deadline:
-                raise GangError(
-                    f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: needs "
-                    f"{job.workers} slots on cluster {self.cluster!r}, {self.pool.usage()} of "
-                    f"{self.pool.capacity} in use; retry later or place the run on another cluster"
-                )
-            if not announced:
-                log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster}")
-                announced = True
-            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        preempted: set[str] = set()
+
+        def acquire() -> bool:
+            return self.pool.try_acquire(job.name, job.workers, priority=job.priority, team=job.team,
+                                         team_cap=job.team_cap, queue=True)
+
+        try:
+            while not acquire():
+                if time.monotonic() >= deadline:
+                    raise GangNotAdmitted(
+                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: needs "
+                        f"{job.workers} slots on cluster {self.cluster!r}, {self.pool.usage()} of "
+                        f"{self.pool.capacity} in use; retry later or place the run on another cluster",
+                        cluster=self.cluster,
+                    )
+                if not announced:
+                    ticket = self.pool.waiting().get(job.name, {})
+                    why = f"team {job.team} at its gpu_cap of {job.team_cap}" if ticket.get("over_cap") else (
+                        f"{self.pool.usage()} of {self.pool.capacity} slots in use")
+                    log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster} "
+                        f"(priority {job.priority}; {why})")
+                    announced = True
+                if job.priority == "critical" and self.critical_preempts_batch:
+                    preempted |= self._preempt_batch(job, preempted, log)
+                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        finally:
+            self.pool.withdraw(job.name)
+
+    def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
+        """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
+        preempted (its train task relaunches it, and it queues behind this critical gang)."""
+        holdings = self.pool.holdings()
+        if any(name in holdings for name in already):
+            return set()  # earlier victims are still shutting down; their slots are on the way
+        free = self.pool.capacity - sum(int(h["slots"]) for h in holdings.values())
+        batch = sorted(
+            ((name, h) for name, h in holdings.items() if h.get("priority") == "batch" and name != job.name),
+            key=lambda item: -float(item[1].get("since", 0)),
+        )
+        if free + sum(int(h["slots"]) for _, h in batch) < job.workers:
+            return set()  # stopping every batch gang would not be enough: do not stop any
+        victims: set[str] = set()
+        for name, h in batch:
+            if free >= job.workers:
+                break
+            log(f"gang {job.name} (critical): preempting batch gang {name} ({h['slots']} slots); it checkpoints first")
+            if self.cancel(name):
+                victims.add(name)
+            free += int(h["slots"])
+        return victims
 
     # -- run ---
     def run(
@@ -364,6 +532,8 @@ class LocalGangBackend:
                             preexec_fn=_die_with_parent(os.getpid()),
                         )
                     )
+            # Also read (never written) by metering.local_exporter, the stand-in dcgm-exporter of
+            # local slots: keep "cluster", "labels" and "workers" (rank, pid) when changing this.
             _atomic_write_json(
                 self._record_path(job.name),
                 {
