@@ -258,8 +258,7 @@ def test_nightly_evaluation_reads_the_months_allocation_from_the_ledger(webhook,
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", url)
-    engine = create_engine(url)
-    metadata.create_all(engine)
+    engine = create_engine(url)  # the budget tables are created by the first evaluation
     rows = [  # November does not count against December; ranking stays under 80 %
         ("2026-11-30", "digits-ocr", 9000.0), ("2026-12-01", "digits-ocr", 12000.0),
         ("2026-12-19", "digits-ocr", 9000.0), ("2026-12-19", "ranking", 100.0),
@@ -282,3 +281,13 @@ def test_nightly_evaluation_reads_the_months_allocation_from_the_ledger(webhook,
     assert by_project["ranking"]["spend_usd"] == 100.0 and not by_project["ranking"]["notified"]
     assert evaluate_budgets(period, settings, at=AT)["projects"][0]["notified"] == []  # cleared and re-run
     assert len(webhook.received) == 1
+
+
+def test_nightly_evaluation_without_an_allocation_table_says_what_to_run(tmp_path, monkeypatch):
+    from hybridflow.budgets.nightly import evaluate_budgets
+    from hybridflow.budgets.spend import LedgerError
+    from hybridflow.settings import Settings
+
+    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
+    with pytest.raises(LedgerError, match="has no 'allocation' table: run the nightly allocation"):
+        evaluate_budgets(PERIOD, Settings(home=tmp_path, config_dir=REPO_ROOT / "config"), at=AT)

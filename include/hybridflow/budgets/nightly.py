@@ -48,10 +48,12 @@ def evaluate_budgets(period: str, settings: Settings | None = None, *, at: datet
     def send(note: dict) -> None:
         BudgetWebhookNotifier(http_conn_id=cfg.webhook_conn_id, text=note["text"], payload=note, key=note["key"])({})
 
+    store = BudgetStore(engine)
+    store.ensure_schema()
     outcomes = evaluate_period(
         period,
         cfg,
-        BudgetStore(engine),
+        store,
         spend=lambda project, p: allocated_spend(engine, project, p),
         send=send,
         stop_gangs=lambda project, reason: stop_interruptible_gangs(project, reason, estate, settings.state_dir),

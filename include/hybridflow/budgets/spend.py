@@ -7,12 +7,17 @@ so it does not count against a project's budget.
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, inspect, text
 
 from hybridflow.budgets.config import period_end
+from hybridflow.errors import HybridFlowError
 
 # The ledger's allocation table: one row per day, project, team, cluster, GPU model and pricing class.
 ALLOCATION_TABLE = "allocation"
+
+
+class LedgerError(HybridFlowError):
+    """The ledger lacks what the budget evaluation reads."""
 
 
 def allocated_spend(engine: Engine, project: str, period: str) -> float:
@@ -24,4 +29,10 @@ def allocated_spend(engine: Engine, project: str, period: str) -> float:
         "WHERE project = :project AND day >= :start AND day < :end"
     )
     with engine.connect() as conn:
+        if not inspect(conn).has_table(ALLOCATION_TABLE):
+            raise LedgerError(
+                f"the ledger at {engine.url.render_as_string(hide_password=True)} has no {ALLOCATION_TABLE!r} "
+                "table: run the nightly allocation (gpu_cost_nightly) first, or point HYBRIDFLOW_LEDGER_URL "
+                "at the ledger it writes"
+            )
         return float(conn.execute(query, {"project": project, "start": start, "end": end}).scalar_one())

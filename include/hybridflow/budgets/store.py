@@ -87,6 +87,10 @@ class BudgetStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
+    def ensure_schema(self) -> None:
+        """Create the two budget tables where they are missing (a no-op once they exist)."""
+        metadata.create_all(self.engine, checkfirst=True)
+
     def get(self, project: str, period: str) -> BudgetState | None:
         with self.engine.connect() as conn:
             row = conn.execute(
