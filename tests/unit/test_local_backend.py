@@ -235,3 +235,139 @@ def test_run_accepts_a_logger(tmp_path, caplog):
             GangJob(name="j", workers=1, spec={}), admission_timeout_s=0.2, log=logging.getLogger("op")
         )
     assert "waiting for 1 free slots" in caplog.text
+
+
+# -- queue order, team caps, preemption ----------------------------------------------------------
+def test_waiting_gangs_are_served_by_priority_then_arrival(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=2)
+    assert pool.try_acquire("running", 2)
+    assert not pool.try_acquire("batch-early", 1, priority="batch", queue=True)
+    assert not pool.try_acquire("normal-later", 1, priority="normal", queue=True)
+    assert pool.queued() == 2
+    pool.release("running")
+    assert not pool.try_acquire("batch-early", 1, priority="batch", queue=True)  # normal is ahead
+    assert pool.try_acquire("normal-later", 1, priority="normal", queue=True)
+    assert pool.try_acquire("batch-early", 1, priority="batch", queue=True)
+    assert pool.waiting() == {} and pool.usage() == 2
+
+
+def test_small_gang_does_not_overtake_a_waiting_big_one(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=4)
+    assert pool.try_acquire("running", 3)
+    assert not pool.try_acquire("big", 2, queue=True)
+    assert not pool.try_acquire("small", 1, queue=True)  # 1 slot is free, but big waits first
+    pool.withdraw("big")
+    assert pool.try_acquire("small", 1)
+
+
+def test_team_cap_spans_clusters_and_does_not_block_other_teams(tmp_path):
+    a, b = LocalSlotPool(tmp_path, "a", 4), LocalSlotPool(tmp_path, "b", 4)
+    assert a.try_acquire("x-1", 2, team="x", team_cap=3)
+    assert not b.try_acquire("x-2", 2, team="x", team_cap=3, queue=True)  # 2 + 2 > 3 across clusters
+    assert b.waiting()["x-2"]["over_cap"] is True
+    assert b.try_acquire("y-1", 1, team="y", team_cap=3)  # a capped ticket does not hold others back
+    assert b.try_acquire("x-3", 1, team="x", team_cap=3)  # 2 + 1 fits the cap
+    a.release("x-1")
+    assert b.try_acquire("x-2", 2, team="x", team_cap=3, queue=True)
+
+
+def test_dead_launchers_tickets_are_dropped(tmp_path):
+    pool = LocalSlotPool(tmp_path, "c", capacity=1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert pool.try_acquire("holder", 1)
+    assert not pool.try_acquire("gone", 1, pid=dead.pid, priority="critical", queue=True)
+    pool.release("holder")
+    assert pool.try_acquire("next", 1)  # the dead launcher's critical ticket does not block
+
+
+_FAKE_WORKER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # checkpointed stop, like the real worker
+deadline = time.monotonic() + float(os.environ.get("FAKE_SECONDS", "60"))
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def fake_worker(tmp_path, monkeypatch):
+    """Gang workers that sleep FAKE_SECONDS and exit 0, or exit 75 on SIGTERM, instead of training."""
+    import hybridflow.backends.local as local
+
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "fake_gang_worker.py").write_text(_FAKE_WORKER)
+    monkeypatch.setattr(local, "WORKER_MODULE", "fake_gang_worker")
+    return lambda seconds: {"PYTHONPATH": str(modules), "FAKE_SECONDS": str(seconds)}
+
+
+def _in_thread(fn):
+    out: dict = {}
+
+    def target():
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+        out["done"] = time.monotonic()
+
+    t = threading.Thread(target=target)
+    t.start()
+    return t, out
+
+
+def test_two_competing_gangs_both_finish_without_deadlock(tmp_path, fake_worker):
+    from hybridflow.backends.local import GangResult
+
+    backend = LocalGangBackend(tmp_path / "state", "c", capacity=4, grace_s=2, poll_s=0.05)
+    runs = [
+        _in_thread(lambda n=n: backend.run(
+            GangJob(name=f"gang-{n}", workers=3, spec={}, env=fake_worker(0.5)), admission_timeout_s=20, log=lambda _: None))
+        for n in range(2)
+    ]
+    for t, _ in runs:
+        t.join(30)
+    assert all(isinstance(out.get("result"), GangResult) for _, out in runs), [out.get("error") for _, out in runs]
+    assert backend.pool.usage() == 0 and backend.pool.waiting() == {}
+
+
+def test_critical_gang_preempts_batch_work(tmp_path, fake_worker):
+    from hybridflow.backends.local import GangNotAdmitted, GangPreempted
+
+    backend = LocalGangBackend(tmp_path / "state", "c", capacity=2, grace_s=5, poll_s=0.05)
+    batch = GangJob(name="batch-gang", workers=2, spec={}, env=fake_worker(60), labels={"priority": "batch"})
+    t_batch, batch_out = _in_thread(lambda: backend.run(batch, admission_timeout_s=5, log=lambda _: None))
+    assert _wait_for(lambda: backend.running_gangs(), timeout=10)
+    # A normal gang waits (and times out) rather than preempting.
+    with pytest.raises(GangNotAdmitted) as info:
+        backend.run(GangJob(name="normal-gang", workers=1, spec={}, env=fake_worker(0)), admission_timeout_s=0.5,
+                    log=lambda _: None)
+    assert info.value.cluster == "c"
+    lines: list[str] = []
+    critical = GangJob(name="critical-gang", workers=2, spec={}, env=fake_worker(0.2), labels={"priority": "critical"})
+    result = backend.run(critical, admission_timeout_s=20, log=lines.append)
+    t_batch.join(20)
+    assert isinstance(batch_out.get("error"), GangPreempted), batch_out
+    assert batch_out["error"].exit_code == 75  # the batch workers checkpointed and stopped
+    assert result.exit_codes == [0, 0]
+    assert any("preempting batch gang batch-gang (2 slots)" in line for line in lines)
+    assert backend.pool.usage() == 0
+
+
+def test_critical_gang_does_not_preempt_when_disabled_or_not_enough(tmp_path, fake_worker):
+    from hybridflow.backends.local import GangNotAdmitted
+
+    backend = LocalGangBackend(tmp_path / "state", "c", capacity=2, grace_s=5, poll_s=0.05,
+                               critical_preempts_batch=False)
+    batch = GangJob(name="batch-gang", workers=2, spec={}, env=fake_worker(60), labels={"priority": "batch"})
+    t_batch, batch_out = _in_thread(lambda: backend.run(batch, admission_timeout_s=5, log=lambda _: None))
+    try:
+        assert _wait_for(lambda: backend.running_gangs(), timeout=10)
+        with pytest.raises(GangNotAdmitted):
+            backend.run(GangJob(name="crit", workers=2, spec={}, labels={"priority": "critical"}),
+                        admission_timeout_s=0.5, log=lambda _: None)
+        assert [g["name"] for g in backend.running_gangs()] == ["batch-gang"]
+    finally:
+        backend.cancel("batch-gang")
+        t_batch.join(20)
