@@ -175,7 +175,7 @@ def list_blobs(store: ObjectStore, dataset: str, expected: int, settings: Stagin
 
 
 def _is_md5(etag: str) -> bool:
-    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag)
+    return len(etag) == 32 and not etag.strip("0123456789abcdef")
 
 
 @dataclass
@@ -438,8 +438,6 @@ def stage_dataset(
             key=blob.key, size=blob.size, sha256=blob.sha256, etag=etags.get(blob.key) or None,
             members=len(plan.members), members_digest=plan.members_digest,
         )
-    index.set_stored(target.uri, {k: r.etag for k, r in records.items() if r.etag})
-    index.save(live_shards={p.members_digest for p in plans})
 
     manifest = DatasetManifest(
         dataset=name,
@@ -451,26 +449,12 @@ def stage_dataset(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     manifest_key = manifest_key_for(name, manifest.version)
-    # The commit point: create-only, after every blob is in place and verified.
-    created = target.put_if_absent(manifest_key, manifest.to_json())
-    if created:
-        log.info("committed manifest %s/%s", target.uri, manifest_key)
-    else:
-        current = read_manifest(target, manifest_key)
-        if current.version != manifest.version or {(e.path, e.size, e.sha256) for e in current.entries} != {
-            (e.path, e.size, e.sha256) for e in entries
-        }:
-            raise StagingError(
-                f"manifest {target.uri}/{manifest_key} exists with different entries; it is corrupt: "
-                "delete it and re-run stage_data"
-            )
-        missing = {e.key for e in current.entries} - set(etags)
-        if missing:
-            raise StagingError(
-                f"manifest {target.uri}/{manifest_key} names {len(missing)} blob(s) this dataset no longer "
-                f"has (e.g. {sorted(missing)[0]}); it was packed differently: delete it and re-run stage_data"
-            )
-        log.info("manifest %s already committed (by %s); nothing to write", manifest_key, current.created_by or "?")
+    stored_etags = {k: r.etag for k, r in records.items() if r.etag}
+    try:
+        created = _commit_manifest(target, manifest, manifest_key, recorded, entries, etags, stored_etags, log)
+    finally:
+        index.set_stored(target.uri, stored_etags)
+        index.save(live_shards={p.members_digest for p in plans})
 
     result = StagingResult(
         dataset=name,
@@ -495,6 +479,43 @@ def stage_dataset(
         result.objects_copied, result.bytes_copied, result.repaired, result.seconds,
     )
     return result
+
+
+def _commit_manifest(target: ObjectStore, manifest: DatasetManifest, manifest_key: str, recorded: dict[str, str],
+                     entries: list[ManifestEntry], etags: dict[str, str], stored_etags: dict[str, str],
+                     log: Any) -> bool:
+    """The commit point: the manifest is created (create-only) after every blob is in place and
+    verified. True when this call created it; ``stored_etags`` gets the manifest's ETag, so an
+    unchanged re-stage recognises the committed manifest from one HEAD, without reading it."""
+    stat = getattr(target, "stat", None)
+    info = stat(manifest_key) if stat else None
+    if info is not None and info.etag and recorded.get(manifest_key) == info.etag:
+        log.info("manifest %s already committed and unchanged (ETag %s); nothing to write", manifest_key, info.etag)
+        stored_etags[manifest_key] = info.etag
+        return False
+    created = info is None and target.put_if_absent(manifest_key, manifest.to_json())
+    if created:
+        log.info("committed manifest %s/%s", target.uri, manifest_key)
+        info = stat(manifest_key) if stat else None
+    else:
+        current = read_manifest(target, manifest_key)
+        if current.version != manifest.version or {(e.path, e.size, e.sha256) for e in current.entries} != {
+            (e.path, e.size, e.sha256) for e in entries
+        }:
+            raise StagingError(
+                f"manifest {target.uri}/{manifest_key} exists with different entries; it is corrupt: "
+                "delete it and re-run stage_data"
+            )
+        missing = {e.key for e in current.entries} - set(etags)
+        if missing:
+            raise StagingError(
+                f"manifest {target.uri}/{manifest_key} names {len(missing)} blob(s) this dataset no longer "
+                f"has (e.g. {sorted(missing)[0]}); it was packed differently: delete it and re-run stage_data"
+            )
+        log.info("manifest %s already committed (by %s); nothing to write", manifest_key, current.created_by or "?")
+    if info is not None and info.etag:
+        stored_etags[manifest_key] = info.etag
+    return created
 
 
 def _label(blob: _Blob) -> str:

@@ -273,14 +273,30 @@ def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
     keys = [o.key for o in store.list(blob_prefix("fan"))]
     assert len(keys) == 40 and all(k.split("/")[-2] == k.split("/")[-1][:2] for k in keys)
     log = Requests(store.client)
+    written = index.stat().st_mtime_ns
     again = _stage(ds, store, settings=NO_PACK, index_path=index)
     assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
-    assert log.writes == [] and not any(op in ("HeadObject", "GetObject") for op, _, _ in log.calls[:-2])
+    # One listing and one HEAD of the committed manifest (its ETag is the one recorded): no
+    # download, no write, and the unchanged index is not rewritten either.
+    assert [op for op, _, _ in log.calls] == ["ListObjectsV2", "HeadObject"]
+    assert index.stat().st_mtime_ns == written
     # a changed file is the only one read and sent again
     (ds.path / "class-3/img-00003.bin").write_bytes(b"new content")
     third = _stage(ds, store, settings=NO_PACK, index_path=index)
     assert (third.objects_copied, third.files_read, third.bytes_copied) == (1, 1, len(b"new content"))
     assert third.version != first.version
+
+
+def test_a_manifest_replaced_behind_the_index_is_read_and_refused(store, tmp_path):
+    ds = _folder(tmp_path, "swap", _small_files(5, 512))
+    _age(ds.path)
+    index = tmp_path / "index.json"
+    first = _stage(ds, store, settings=NO_PACK, index_path=index)
+    body = json.loads(store.get_bytes(first.manifest_key))
+    body["entries"][0]["size"] += 1
+    store.put_bytes(first.manifest_key, json.dumps(body).encode())  # another ETag than recorded
+    with pytest.raises(StagingError, match="inconsistent|different entries"):
+        _stage(ds, store, settings=NO_PACK, index_path=index)
 
 
 def test_corrupted_cached_objects_are_all_detected_and_repaired(store, rclone_s3, tmp_path):

@@ -47,6 +47,7 @@ class HashIndex:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._dirty = False  # anything to write back: an unchanged dataset rewrites nothing
         self._files: dict[str, list] = {}
         self._shards: dict[str, list] = {}
         self._stored: dict[str, dict[str, str]] = {}
@@ -60,8 +61,11 @@ class HashIndex:
                     self._files = body.get("files", {})
                     self._shards = body.get("shards", {})
                     self._stored = body.get("stored", {})
+                else:
+                    self._dirty = True
             except (OSError, ValueError) as exc:
                 log.warning("hash index %s is unreadable (%s); hashing every file again", path, exc)
+                self._dirty = True
 
     @staticmethod
     def file_key(st: os.stat_result) -> list[int]:
@@ -84,6 +88,7 @@ class HashIndex:
         with self._lock:
             self._seen.add(rel)
             self._files[rel] = [list(identity), hashed_at_ns, digest.size, digest.sha256, digest.md5]
+            self._dirty = True
 
     def shard(self, members_digest: str) -> ShardDigest | None:
         row = self._shards.get(members_digest)
@@ -91,7 +96,10 @@ class HashIndex:
 
     def record_shard(self, members_digest: str, digest: ShardDigest) -> None:
         with self._lock:
-            self._shards[members_digest] = [digest.size, digest.sha256, digest.md5]
+            row = [digest.size, digest.sha256, digest.md5]
+            if self._shards.get(members_digest) != row:
+                self._shards[members_digest] = row
+                self._dirty = True
 
     def stored_etags(self, store_uri: str) -> dict[str, str]:
         """key -> ETag that ``store_uri`` listed for a blob right after a verified upload."""
@@ -99,7 +107,9 @@ class HashIndex:
 
     def set_stored(self, store_uri: str, etags: dict[str, str]) -> None:
         with self._lock:
-            self._stored[store_uri] = dict(etags)
+            if self._stored.get(store_uri) != etags:
+                self._stored[store_uri] = dict(etags)
+                self._dirty = True
 
     def save(self, live_shards: set[str] | None = None) -> None:
         """Persist; files not seen by this scan are dropped (the folder no longer has them)."""
@@ -110,5 +120,8 @@ class HashIndex:
             shards = self._shards if live_shards is None else {
                 k: v for k, v in self._shards.items() if k in live_shards
             }
+            if not self._dirty and len(files) == len(self._files) and len(shards) == len(self._shards):
+                return
             body = {"format": INDEX_FORMAT, "files": files, "shards": shards, "stored": self._stored}
+            self._files, self._shards, self._dirty = files, dict(shards), False
         write_json_atomic(self.path, body, compact=True)

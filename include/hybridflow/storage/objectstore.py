@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,3 +254,21 @@ class LocalObjectStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def sweep_partials(self, prefix: str = "", *, older_than_s: float = 3600.0) -> int:
+        """Delete the temporary files of writes that were killed before their rename (a SIGKILL
+        mid-write leaves ``.<name>.*.part``; listings hide them, so nothing else would). Only
+        files older than ``older_than_s`` go: a younger one may be a write still in flight."""
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return 0
+        cutoff = time.time() - older_than_s
+        swept = 0
+        for path in base.rglob(".*.part"):
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    swept += 1
+            except FileNotFoundError:
+                continue  # finished (renamed) or swept by someone else meanwhile
+        return swept

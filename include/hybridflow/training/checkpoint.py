@@ -273,6 +273,9 @@ class CheckpointStore:
                 if name != MANIFEST_NAME:
                     self.store.delete(f"{prefix}/{name}")
             deleted.append(step)
+        sweep = getattr(self.store, "sweep_partials", None)
+        if sweep is not None:  # folder stores: temp files of writes killed mid-way
+            sweep()
         return deleted
 
 
