@@ -147,6 +147,11 @@ def test_a_spent_budget_stops_the_running_gang_and_refuses_new_runs(budget_home)
     assert attempts[0]["last_committed_step"] > 0
     assert [(n["threshold"], n["project"]) for n in webhook.received] == [(0.8, "digits-ocr"), (1.0, "digits-ocr")]
 
+    # Clearing the train task while frozen does not resume the spend.
+    with pytest.raises(AirflowFailException, match="^not started: priority: project 'digits-ocr' has spent"):
+        op.execute(context)
+    assert not (gang / "try-1-relaunch-1").exists() and len(json.loads(
+        (home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())) == 1
     with pytest.raises(AdmissionError, match="^priority: project 'digits-ocr' has spent 104.00 USD"):
         pipeline.admit({"cluster_preference": "private"}, RunIdentity("hybrid_training", "manual__next", 1))
     # Raising the budget lets the project's runs in again.

@@ -43,21 +43,58 @@ class GangTrainOperator(BaseOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.admission import AdmittedRun
-        from hybridflow.backends.local import GangJob, GangPreempted, GangStopped, LocalGangBackend
+        from hybridflow.backends.local import GangNotAdmitted
+        from hybridflow.budgets.enforce import refuse_if_frozen
         from hybridflow.config import load_estate
-        from hybridflow.errors import GangError
-        from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
+        from hybridflow.errors import AdmissionError
+        from hybridflow.pipeline import current_placement, fail_over
         from hybridflow.settings import get_settings
-        from hybridflow.storage.objectstore import open_store
 
         settings = get_settings()
         estate = load_estate(settings.config_dir)
+        req = AdmittedRun.from_xcom(dict(self.run)).request
+        try:  # a train task cleared or retried while its project is frozen must not spend on
+            refuse_if_frozen(req.project, req.priority, req.budget_override, estate)
+        except AdmissionError as exc:
+            raise AirflowFailException(f"not started: {exc}") from exc
+        placement, staged = current_placement(self.run, self.placement, self.staged, settings)
+        timeout = estate.pipeline.training.gang_admission_timeout_s
+        while True:
+            try:
+                return self._train_on(context, settings, estate, placement, staged)
+            except GangNotAdmitted as exc:
+                # Nothing started there: place the run on the next eligible candidate (recorded in
+                # placement.json); with none left, GangError fails this try and Airflow retries it.
+                if self._killed:
+                    raise
+                self.log.warning("%s; failing over to the next placement candidate", exc)
+                placement, staged = fail_over(
+                    self.run, placement, exc.cluster, f"gang not admitted within {timeout:g} s", settings
+                )
+                self.log.warning("Failed over to cluster %s", placement["cluster"])
+
+    def _train_on(self, context, settings, estate, placement: dict, staged: dict) -> dict:
+        """Train on ``placement``'s cluster; GangNotAdmitted if its gang is not admitted in time."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from hybridflow.admission import AdmittedRun
+        from hybridflow.backends.local import (
+            GangJob,
+            GangNotAdmitted,
+            GangPreempted,
+            GangStopped,
+            LocalGangBackend,
+        )
+        from hybridflow.errors import GangError
+        from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
+        from hybridflow.storage.objectstore import open_store
+
         identity = RunIdentity.from_context(context)
         admitted = AdmittedRun.from_xcom(dict(self.run))
         req = admitted.request
-        cluster = estate.clusters[self.placement["cluster"]]
+        cluster = estate.clusters[placement["cluster"]]
         if cluster.backend != "local":
-            raise GangError(f"cluster {self.placement['cluster']!r} uses backend {cluster.backend!r}, not available here")
+            raise GangError(f"cluster {placement['cluster']!r} uses backend {cluster.backend!r}, not available here")
         run_key = self.run["run_key"]
         ckpt_spec = checkpoint_store_spec(run_key, cluster, settings)
         replica_spec = checkpoint_replica_spec(run_key, cluster, settings)
@@ -65,7 +102,7 @@ class GangTrainOperator(BaseOperator):
         timer_s = training_cfg.interruptible_checkpoint_every_s if req.interruptible else None
         spec = {
             "run_key": run_key,
-            "source": self.staged["source"],
+            "source": staged["source"],
             "checkpoint_store": ckpt_spec.to_dict(),
             "checkpoint_replica": replica_spec.to_dict(),
             "train_steps": req.train_steps,
@@ -82,9 +119,13 @@ class GangTrainOperator(BaseOperator):
 
         self._job_name = f"train-{run_key}"
         # The launcher's SIGTERM -> SIGKILL grace is the workers' time to commit a final checkpoint.
+        admission_cfg = estate.pipeline.admission
         self._backend = LocalGangBackend(
-            settings.state_dir, cluster.name, cluster.total_gpus, grace_s=training_cfg.preemption_grace_s
+            settings.state_dir, cluster.name, cluster.total_gpus, grace_s=training_cfg.preemption_grace_s,
+            critical_preempts_batch=admission_cfg.critical_preempts_batch,
         )
+        # Critical runs are never held by the team's cap (they may preempt batch work instead).
+        team_cap = None if req.priority == "critical" else estate.teams[admitted.team].gpu_cap
         store = open_store(ckpt_spec)
         places = [store, open_store(replica_spec)]
         attempts_path = run_dir(settings.private_root, run_key) / "train-attempts.json"
@@ -110,13 +151,17 @@ class GangTrainOperator(BaseOperator):
                         spec={**spec, "attempt": label},
                         env=env,
                         attempt=label,
-                        labels={"project": req.project, "priority": req.priority,
+                        labels={"project": req.project, "team": admitted.team, "priority": req.priority,
                                 "interruptible": str(req.interruptible).lower()},
+                        team_cap=team_cap,
                     ),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
                     log=self.log,
                 )
                 outcome = "succeeded"
+            except GangNotAdmitted:
+                outcome = "not_admitted"  # nothing ran; execute fails over to the next candidate
+                raise
             except GangStopped as exc:
                 # Stopped on purpose (budget freeze): checkpointed, and neither relaunched nor retried.
                 outcome = "stopped"
