@@ -84,7 +84,7 @@ def is_blank(value: float) -> bool:
     return value >= _INT64_BLANK - 1 or _FP64_BLANK <= value < _FP64_BLANK + _SENTINEL_SPAN
 
 
-def _session(settings: ScrapeSettings) -> requests.Session:
+def http_session(settings: ScrapeSettings) -> requests.Session:
     session = requests.Session()
     retry = Retry(
         total=settings.retries,
@@ -108,7 +108,7 @@ def _session(settings: ScrapeSettings) -> requests.Session:
 def fetch(url: str, settings: ScrapeSettings | None = None) -> str:
     """GET an exporter's metrics page; transient failures are retried with backoff."""
     settings = settings or ScrapeSettings()
-    with _session(settings) as session:
+    with http_session(settings) as session:
         try:
             resp = session.get(url, timeout=(settings.connect_timeout_s, settings.read_timeout_s))
         except requests.exceptions.RetryError as exc:
@@ -170,53 +170,74 @@ def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text
         raise MalformedMetrics(
             f"{source}: not Prometheus text format ({exc}); expected dcgm-exporter's /metrics page"
         ) from exc
-    groups: dict[tuple[str, str, str, str], dict] = {}
+    builder = SampleBuilder(cluster, source=source, default_node=default_node)
     seen_dcgm = False
     for family in families:
         for sample in family.samples:
             # the parser names counter samples `<family>_total`; dcgm-exporter's names are the family's
             name = family.name if sample.name == f"{family.name}_total" else sample.name
-            if not name.startswith("DCGM_"):
-                continue
-            seen_dcgm = True
-            target = _FIELDS.get(name)
-            fallback = _FALLBACKS.get(name)
-            labels = sample.labels
-            uuid = _label(labels, _UUID_LABELS)
-            if uuid is None or (target is None and fallback is None):
-                continue  # NVSwitch/link-level series and metrics we do not meter
-            node = _label(labels, _HOST_LABELS) or default_node
-            if node is None:
-                raise MalformedMetrics(
-                    f"{source}: series {name} for {uuid} has no Hostname label; "
-                    "pass the node name (--node / default_node) for exporters run without one"
-                )
-            mig_profile = labels.get("GPU_I_PROFILE") or None
-            mig_instance = labels.get("GPU_I_ID") or None
-            key = (node, uuid, mig_profile or "", mig_instance or "")
-            group = groups.setdefault(key, {
-                "ts": ts, "cluster": cluster, "node": node, "gpu_uuid": uuid,
-                "gpu_index": _index(labels), "gpu_model": _label(labels, _MODEL_LABELS),
-                "mig_profile": mig_profile, "mig_instance": mig_instance,
-                "namespace": None, "pod": None, "container": None, "_fallback": {},
-            })
-            for k8s_label in ("namespace", "pod", "container"):
-                if group[k8s_label] is None and labels.get(k8s_label):
-                    group[k8s_label] = labels[k8s_label]
-            value = float(sample.value)
-            if is_blank(value):
-                continue
-            if target is not None:
-                group[target] = value
-            else:
-                if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE":
-                    value *= 100.0
-                group["_fallback"][fallback] = value
+            if name.startswith("DCGM_"):
+                seen_dcgm = True
+                builder.add(name, sample.labels, float(sample.value), ts)
     if not seen_dcgm:
         raise MalformedMetrics(
             f"{source}: no DCGM_ series in the page; is this a dcgm-exporter endpoint (port 9400, /metrics)?"
         )
-    return [_to_sample(group) for group in groups.values()]
+    return builder.samples()
+
+
+METERED_METRICS: tuple[str, ...] = (*_FIELDS, *_FALLBACKS)
+
+
+class SampleBuilder:
+    """Folds dcgm-exporter series values into one GpuSample per (node, GPU, MIG instance, time).
+
+    Shared by the exporter page parser and the Prometheus source, so both read labels alike.
+    """
+
+    def __init__(self, cluster: str, *, source: str, default_node: str | None = None) -> None:
+        self.cluster = cluster
+        self.source = source
+        self.default_node = default_node
+        self._groups: dict[tuple[str, str, str, str, datetime], dict] = {}
+
+    def add(self, name: str, labels: Mapping[str, str], value: float, ts: datetime) -> None:
+        target = _FIELDS.get(name)
+        fallback = _FALLBACKS.get(name)
+        uuid = _label(labels, _UUID_LABELS)
+        if uuid is None or (target is None and fallback is None):
+            return  # NVSwitch/link-level series and metrics we do not meter
+        node = _label(labels, _HOST_LABELS) or self.default_node
+        if node is None:
+            raise MalformedMetrics(
+                f"{self.source}: series {name} for {uuid} has no Hostname label; "
+                "pass the node name (--node / default_node) for exporters run without one"
+            )
+        mig_profile = labels.get("GPU_I_PROFILE") or None
+        mig_instance = labels.get("GPU_I_ID") or None
+        key = (node, uuid, mig_profile or "", mig_instance or "", ts)
+        group = self._groups.setdefault(key, {
+            "ts": ts, "cluster": self.cluster, "node": node, "gpu_uuid": uuid,
+            "gpu_index": _index(labels), "gpu_model": _label(labels, _MODEL_LABELS),
+            "mig_profile": mig_profile, "mig_instance": mig_instance,
+            "namespace": None, "pod": None, "container": None, "_fallback": {},
+        })
+        for k8s_label in ("namespace", "pod", "container"):
+            # Prometheus renames an exporter's pod labels to exported_* when its own target labels
+            # (the exporter pod's namespace and name) take those names.
+            if group[k8s_label] is None:
+                group[k8s_label] = _label(labels, (f"exported_{k8s_label}", k8s_label))
+        if is_blank(value):
+            return
+        if target is not None:
+            group[target] = value
+        else:
+            if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE":
+                value *= 100.0
+            group["_fallback"][fallback] = value
+
+    def samples(self) -> list[GpuSample]:
+        return [_to_sample(dict(group)) for group in self._groups.values()]
 
 
 def _to_sample(group: dict) -> GpuSample:

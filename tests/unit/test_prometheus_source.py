@@ -1,0 +1,154 @@
+"""The Prometheus source against a real Prometheus server scraping fixture exporters on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import requests
+
+from hybridflow.metering.dcgm import DcgmError, ExporterUnreachable, ScrapeSettings, parse_metrics
+from hybridflow.metering.prometheus import MAX_POINTS, PrometheusSource, aligned_window
+
+REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
+SAMPLES = REFERENCE / "dcgm-exporter" / "samples"
+PAGES = ("aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom",
+         "lke_RTX4000Ada_k8s-pod-labels_xid-errmsg_drv580.95.05.prom")
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(text: str) -> http.server.ThreadingHTTPServer:
+    body = text.encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus binary is not installed (Debian package 'prometheus'; CI installs it)")
+    root = tmp_path_factory.mktemp("prometheus")
+    exporters = [_serve((SAMPLES / page).read_text()) for page in PAGES]
+    targets = ", ".join(f"'127.0.0.1:{s.server_address[1]}'" for s in exporters)
+    (root / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: dcgm\n"
+        "    honor_labels: true\n"
+        f"    static_configs: [{{targets: [{targets}], labels: {{cluster: fixture}}}}]\n"
+    )
+    port = _free_port()
+    log = open(root / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"prometheus exited {proc.returncode}: {(root / 'prometheus.log').read_text()[-2000:]}")
+            try:
+                r = requests.get(f"{base}/api/v1/query", params={"query": "count(DCGM_FI_DEV_GPU_TEMP)"}, timeout=2)
+                result = r.json()["data"]["result"]
+                if result and result[0]["value"][1] == "9":  # 8 H100s + 1 RTX 4000 scraped
+                    break
+            except (requests.RequestException, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not scrape the fixtures within 60 s: {(root / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.25)
+        time.sleep(2.5)  # a few more scrapes, so a short range has several points
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+        for server in exporters:
+            server.shutdown()
+            server.server_close()
+
+
+def test_range_query_gives_the_same_samples_as_scraping(prometheus):
+    source = PrometheusSource(prometheus, selector='cluster="fixture"')
+    start, end = aligned_window(datetime.now(UTC), timedelta(seconds=4), timedelta(seconds=1))
+    samples = source.samples(cluster="fixture", start=start, end=end, step=timedelta(seconds=1))
+    direct = {s.gpu_uuid: s for page in PAGES
+              for s in parse_metrics((SAMPLES / page).read_text(), cluster="fixture", ts=end)}
+    instants = sorted({s.ts for s in samples})
+    assert len(instants) >= 2 and all(t.tzinfo is not None and t.microsecond == 0 for t in instants)
+    latest = {s.gpu_uuid: s for s in samples if s.ts == instants[-1]}
+    assert set(latest) == set(direct)  # every GPU, once per instant
+    for uuid, want in direct.items():
+        got = latest[uuid]
+        for name in ("node", "gpu_index", "gpu_model", "namespace", "pod", "container", "util_pct",
+                     "mem_used_mib", "mem_free_mib", "power_w", "temp_c", "energy_mj", "xid"):
+            assert getattr(got, name) == getattr(want, name), (uuid, name)
+    h100 = latest["GPU-c4529c8d-69c4-b61d-e0bc-7b2460096005"]
+    assert (h100.pod, h100.namespace, h100.power_w) == ("vllm-agg-0-vllmdecodeworker-s65j5", "dynamo-workload", 113.611)
+    # the same window read again: the same keys (idempotent storage downstream)
+    again = source.samples(cluster="fixture", start=start, end=end, step=timedelta(seconds=1))
+    assert [s.key() for s in again] == [s.key() for s in samples]
+
+
+def test_selector_that_matches_nothing_gives_no_samples(prometheus):
+    source = PrometheusSource(prometheus, selector='cluster="elsewhere"')
+    end = datetime.now(UTC)
+    assert source.samples(cluster="elsewhere", start=end - timedelta(seconds=3), end=end,
+                          step=timedelta(seconds=1)) == []
+
+
+def test_bad_selector_is_refused_with_prometheus_reason(prometheus):
+    source = PrometheusSource(prometheus, selector='cluster=~"(')
+    end = datetime.now(UTC)
+    with pytest.raises(DcgmError, match="failed: HTTP 400 bad_data"):
+        source.samples(cluster="x", start=end - timedelta(seconds=3), end=end, step=timedelta(seconds=1))
+
+
+def test_unreachable_prometheus_and_long_ranges():
+    port = _free_port()
+    source = PrometheusSource(f"http://127.0.0.1:{port}", settings=ScrapeSettings(connect_timeout_s=1, retries=1, backoff_s=0.01))
+    end = datetime(2026, 1, 2, tzinfo=UTC)
+    with pytest.raises(ExporterUnreachable, match="Prometheus did not answer"):
+        source.samples(cluster="x", start=end - timedelta(minutes=1), end=end, step=timedelta(seconds=15))
+    chunks = list(source._chunks(0.0, 3 * MAX_POINTS * 60.0, 60.0))
+    assert all((hi - lo) / 60 + 1 <= MAX_POINTS for lo, hi in chunks)
+    assert chunks[0][0] == 0.0 and chunks[-1][1] == 3 * MAX_POINTS * 60.0
+    assert all(b[0] - a[1] == 60.0 for a, b in zip(chunks, chunks[1:], strict=False))  # no gap, no overlap
+    assert aligned_window(datetime(2026, 1, 1, 0, 7, 31, tzinfo=UTC), timedelta(minutes=5), timedelta(minutes=1)) == (
+        datetime(2026, 1, 1, 0, 2, tzinfo=UTC), datetime(2026, 1, 1, 0, 7, tzinfo=UTC))
+    with pytest.raises(DcgmError, match="http"):
+        PrometheusSource("prom:9090")
