@@ -250,6 +250,55 @@ class PlacementSettings(_Model):
     spill_counts_queue: bool = True
 
 
+class MeteringCluster(_Model):
+    """Where one cluster's GPU samples come from.
+
+    local: the local backend's slots through the stand-in exporter (local clusters only);
+    exporters: scrape each dcgm-exporter URL (a URL may be a path on the connection's host);
+    prometheus: range queries to the Prometheus at ``prometheus_url`` (or the connection's host).
+    ``conn_id`` names an Airflow Connection with the base URL (schema, host, port) and any
+    credentials (login/password for basic auth); credentials never go into this file.
+    """
+
+    source: Literal["local", "exporters", "prometheus"]
+    exporters: list[str] = Field(default_factory=list)
+    prometheus_url: str | None = Field(default=None, min_length=1)
+    conn_id: str | None = Field(default=None, min_length=1)
+    selector: str = ""  # prometheus: label matchers picking this cluster's exporters, e.g. cluster="a"
+    node: str | None = Field(default=None, min_length=1)  # for exporters run without a Hostname label
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> MeteringCluster:
+        if self.source == "exporters" and not self.exporters:
+            raise ValueError("source 'exporters' needs exporters: [http://<node>:9400/metrics, ...]")
+        if self.source == "prometheus" and not (self.prometheus_url or self.conn_id):
+            raise ValueError("source 'prometheus' needs prometheus_url or conn_id (the Prometheus base URL)")
+        if self.source != "exporters" and self.exporters:
+            raise ValueError(f"exporters are only read with source 'exporters', not {self.source!r}")
+        return self
+
+
+class MeteringSettings(_Model):
+    # The gpu_metering DAG's schedule (cron or preset); each run reads the window it covers.
+    schedule: str = Field(default="*/5 * * * *", min_length=1)
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    read_timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=2, ge=0, le=10)
+    # Prometheus sources: one reading per GPU every step_s within each run's window.
+    prometheus_step_s: int = Field(default=60, gt=0)
+    # The local stand-in exporter's power model (W at 0 % and 100 % use of a slot).
+    local_idle_w: float = Field(default=60.0, ge=0)
+    local_busy_w: float = Field(default=400.0, gt=0)
+    # Per cluster; a local cluster without an entry is read from its slots (source: local).
+    clusters: dict[str, MeteringCluster] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _power_model(self) -> MeteringSettings:
+        if self.local_idle_w > self.local_busy_w:
+            raise ValueError(f"local_idle_w {self.local_idle_w} is above local_busy_w {self.local_busy_w}")
+        return self
+
+
 class PipelineConfig(_Model):
     admission: AdmissionSettings = AdmissionSettings()
     training: TrainingSettings = TrainingSettings()
@@ -259,6 +308,7 @@ class PipelineConfig(_Model):
     serving: ServingSettings = ServingSettings()
     placement: PlacementSettings = PlacementSettings()
     staging: StagingConfig = StagingConfig()
+    metering: MeteringSettings = MeteringSettings()
 
 
 # --- the estate ------------------------------------------------------------------------------------
@@ -327,6 +377,7 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
 
     problems = _check_clusters(clusters_path, clusters_file, projects_file)
     problems += _check_projects(projects_path, projects_file)
+    problems += _check_metering(pipeline_path, pipeline.metering, clusters_file)
     if problems:
         raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
     return Estate(
@@ -575,5 +626,20 @@ def _check_projects(path: Path, pf: ProjectsFile) -> list[str]:
             problems.append(
                 f"{path}: projects.{name}.team: team {project.team!r} is not defined under teams; "
                 f"add `{project.team}: {{}}` under teams or use one of: {teams}"
+            )
+    return problems
+
+
+def _check_metering(path: Path, metering: MeteringSettings, cf: ClustersFile) -> list[str]:
+    problems = []
+    for name, source in metering.clusters.items():
+        at = f"{path}: metering.clusters.{name}"
+        cluster = cf.clusters.get(name)
+        if cluster is None:
+            problems.append(f"{at}: no such cluster in {CLUSTERS_FILE}; use one of: {', '.join(sorted(cf.clusters))}")
+        elif source.source == "local" and cluster.backend != "local":
+            problems.append(
+                f"{at}.source: 'local' reads the local backend's slots, but {name} has backend "
+                f"{cluster.backend!r}; use 'exporters' or 'prometheus'"
             )
     return problems

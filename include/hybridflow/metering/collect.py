@@ -1,0 +1,183 @@
+"""One metering pass over a cluster: read its GPU samples, tie them to runs, sum up node findings.
+
+Sources are chosen per cluster in ``pipeline.yaml`` (``metering.clusters``): the local stand-in
+exporter, direct dcgm-exporter scrapes, or a Prometheus that already scrapes them. A pass covers one
+window (a DAG run's data interval) and stamps direct readings with the window's end, so clearing
+and re-running that run produces the same sample keys (the ledger upserts them). A direct scrape
+can only read the present: a re-run long after its window is skipped with a reason instead of
+recording today's values under an old time; Prometheus sources read the window itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from urllib.parse import urljoin
+
+from hybridflow.config import Cluster, MeteringCluster, MeteringSettings
+from hybridflow.metering.dcgm import DcgmError, ScrapeSettings, parse_metrics, read_source
+from hybridflow.metering.local_exporter import LocalSlotExporter
+from hybridflow.metering.prometheus import PrometheusSource
+from hybridflow.metering.records import GpuSample
+
+# The train task names its gang "train-<run_key>"; Kubernetes pods of the gang add a suffix.
+GANG_PREFIX = "train-"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A resolved place to read from: URL plus credentials from a Connection (never logged)."""
+
+    url: str
+    auth: tuple[str, str] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFinding:
+    """What a pass saw of one node's health: non-zero Xid codes, ECC error totals, exporter answered."""
+
+    cluster: str
+    node: str
+    xid_codes: tuple[int, ...]
+    ecc_sbe: int
+    ecc_dbe: int
+    probe_ok: bool
+    detail: str = ""
+
+
+@dataclass
+class ClusterReading:
+    cluster: str
+    samples: list[GpuSample] = field(default_factory=list)
+    findings: list[NodeFinding] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+
+ConnectionLookup = Callable[[str], Endpoint]
+
+
+def scrape_settings(metering: MeteringSettings, auth: tuple[str, str] | None = None) -> ScrapeSettings:
+    return ScrapeSettings(connect_timeout_s=metering.connect_timeout_s, read_timeout_s=metering.read_timeout_s,
+                          retries=metering.retries, auth=auth)
+
+
+def source_of(cluster: Cluster, metering: MeteringSettings) -> MeteringCluster | None:
+    """The cluster's configured source; local clusters default to the stand-in exporter."""
+    configured = metering.clusters.get(cluster.name)
+    if configured is not None:
+        return configured
+    return MeteringCluster(source="local") if cluster.backend == "local" else None
+
+
+def _exporter_endpoints(src: MeteringCluster, lookup: ConnectionLookup | None) -> list[Endpoint]:
+    if src.conn_id is None:
+        return [Endpoint(url) for url in src.exporters]
+    if lookup is None:
+        raise DcgmError(f"connection {src.conn_id!r} is configured but no connection lookup was given")
+    base = lookup(src.conn_id)
+    return [Endpoint(urljoin(base.url.rstrip("/") + "/", url), base.auth) for url in src.exporters]
+
+
+def read_cluster(cluster: Cluster, metering: MeteringSettings, *, window_end: datetime,
+                 window: timedelta, now: datetime, state_dir: Path,
+                 lookup: ConnectionLookup | None = None) -> ClusterReading:
+    """Samples and node findings of one cluster for the window ending at ``window_end``."""
+    reading = ClusterReading(cluster.name)
+    src = source_of(cluster, metering)
+    if src is None:
+        reading.skipped = (f"no metering source for {cluster.backend} cluster {cluster.name}; add "
+                           f"metering.clusters.{cluster.name} (exporters or prometheus) to pipeline.yaml")
+        return reading
+    if src.source == "prometheus":
+        if src.conn_id is not None and lookup is not None:
+            endpoint = lookup(src.conn_id)
+        else:
+            endpoint = Endpoint(src.prometheus_url or "")
+        step = timedelta(seconds=metering.prometheus_step_s)
+        prom = PrometheusSource(endpoint.url, selector=src.selector, settings=scrape_settings(metering, endpoint.auth))
+        # (window_end - window, window_end]: adjacent runs never read the same instant twice
+        start = window_end - window + step
+        try:
+            reading.samples = prom.samples(cluster=cluster.name, start=start, end=window_end, step=step)
+        except DcgmError as exc:
+            reading.errors.append(str(exc))
+        reading.findings = node_findings(reading.samples)
+        return reading
+    if now - window_end > window:
+        reading.skipped = (f"{cluster.name}: this run's window ended at {window_end.isoformat()}, more than "
+                           f"{window} ago; an exporter only shows the present, so nothing is recorded for it "
+                           "(a prometheus source can fill past windows)")
+        return reading
+    if src.source == "local":
+        exporter = LocalSlotExporter(state_dir, cluster, node=src.node, idle_w=metering.local_idle_w,
+                                     busy_w=metering.local_busy_w)
+        reading.samples = parse_metrics(exporter.render(), cluster=cluster.name, ts=window_end,
+                                        source=f"local slots of {cluster.name}")
+        reading.findings = node_findings(reading.samples)
+        return reading
+    failed: list[tuple[str, str]] = []
+    for endpoint in _exporter_endpoints(src, lookup):
+        try:
+            text = read_source(endpoint.url, scrape_settings(metering, endpoint.auth))
+            reading.samples += parse_metrics(text, cluster=cluster.name, ts=window_end, source=endpoint.url,
+                                             default_node=src.node)
+        except DcgmError as exc:
+            reading.errors.append(str(exc))
+            failed.append((_host_of(endpoint.url), str(exc)))
+    reading.findings = node_findings(reading.samples, failed=failed, cluster=cluster.name)
+    return reading
+
+
+def _host_of(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname or url
+
+
+def node_findings(samples: Iterable[GpuSample], *, failed: Iterable[tuple[str, str]] = (),
+                  cluster: str | None = None) -> list[NodeFinding]:
+    """Per node: the distinct non-zero Xid codes and the ECC totals over its GPUs (latest reading
+    of each GPU), plus a failed probe for each exporter that did not answer."""
+    latest: dict[tuple[str, str, str, str], GpuSample] = {}
+    for s in samples:
+        key = (s.cluster, s.node, s.gpu_uuid, s.mig_instance or "")
+        if key not in latest or latest[key].ts <= s.ts:
+            latest[key] = s
+    per_node: dict[tuple[str, str], list[GpuSample]] = {}
+    for s in latest.values():
+        per_node.setdefault((s.cluster, s.node), []).append(s)
+    out = []
+    for (cl, node), gpus in sorted(per_node.items()):
+        xids = tuple(sorted({s.xid for s in gpus if s.xid}))
+        out.append(NodeFinding(cl, node, xids, sum(s.ecc_sbe or 0 for s in gpus),
+                               sum(s.ecc_dbe or 0 for s in gpus), True))
+    for host, reason in failed:
+        out.append(NodeFinding(cluster or "", host, (), 0, 0, False, reason))
+    return out
+
+
+def run_key_of(pod: str | None, run_keys: Iterable[str]) -> str | None:
+    """The run whose gang the pod belongs to: pod ``train-<run_key>`` or ``train-<run_key>-...``;
+    the longest matching run key wins (one key may prefix another)."""
+    if not pod or not pod.startswith(GANG_PREFIX):
+        return None
+    rest = pod[len(GANG_PREFIX):]
+    matches = [k for k in run_keys if rest == k or rest.startswith(f"{k}-")]
+    return max(matches, key=len) if matches else None
+
+
+def attribute(samples: Iterable[GpuSample], runs: Mapping[str, str],
+              namespaces: Iterable[str] = ()) -> dict[tuple, str]:
+    """Sample key -> run key, for samples whose pod is a run's gang. ``runs`` maps run key ->
+    project; the pod's namespace must be unset, the run's project (local stand-in) or one of
+    ``namespaces`` (the Kubernetes clusters' gang namespaces)."""
+    allowed = set(namespaces)
+    out = {}
+    for s in samples:
+        key = run_key_of(s.pod, runs)
+        if key is not None and (s.namespace is None or s.namespace == runs[key] or s.namespace in allowed):
+            out[s.key()] = key
+    return out
