@@ -37,7 +37,8 @@ def admit(params: Mapping[str, Any], identity: RunIdentity, settings: Settings |
     from hybridflow.admission import admit as admit_request
 
     settings = settings or get_settings()
-    admitted = admit_request(params, _estate(settings), settings.private_root)
+    estate = _estate(settings)
+    admitted = admit_request(params, estate, settings.private_root, team_usage=team_usage(estate, settings))
     log.info("Admitted run %s for project %s: %s", identity.run_key, admitted.request.project, admitted.to_xcom())
     return {**admitted.to_xcom(), "run_key": identity.run_key}
 
@@ -60,14 +61,33 @@ def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> d
     return {**summary.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
 
 
-def cluster_usage(estate, settings: Settings) -> dict[str, int]:
-    """GPUs held right now on each cluster, as its backend reports them."""
+def _local_pools(estate, settings: Settings):
     from hybridflow.backends.local import LocalSlotPool
 
+    return {
+        name: LocalSlotPool(settings.state_dir, name, c.total_gpus)
+        for name, c in estate.clusters.items()
+        if c.backend == "local"
+    }
+
+
+def cluster_usage(estate, settings: Settings) -> dict[str, int]:
+    """GPUs held right now on each cluster, as its backend reports them."""
+    return {name: pool.usage() for name, pool in _local_pools(estate, settings).items()}
+
+
+def cluster_queue(estate, settings: Settings) -> dict[str, int]:
+    """GPUs of gangs waiting for admission on each cluster."""
+    return {name: pool.queued() for name, pool in _local_pools(estate, settings).items()}
+
+
+def team_usage(estate, settings: Settings) -> dict[str, int]:
+    """GPUs each team's gangs hold right now (local clusters)."""
     usage: dict[str, int] = {}
-    for name, cluster in estate.clusters.items():
-        if cluster.backend == "local":
-            usage[name] = LocalSlotPool(settings.state_dir, name, cluster.total_gpus).usage()
+    for pool in _local_pools(estate, settings).values():
+        for holding in pool.holdings().values():
+            if holding.get("team"):
+                usage[holding["team"]] = usage.get(holding["team"], 0) + int(holding["slots"])
     return usage
 
 
@@ -77,12 +97,54 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
     settings = settings or get_settings()
     started = time.monotonic()
     estate = _estate(settings)
-    decision = place(_admitted(run), estate, cluster_usage(estate, settings))
+    decision = place(_admitted(run), estate, cluster_usage(estate, settings),
+                     queued_gpus=cluster_queue(estate, settings))
     log.info("Placement decision:\n%s", decision.explain())
     out = {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
     # For the run's page in the UI (hybridflow.ui.runs); a re-run replaces it.
     write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "placement.json", out)
     return out
+
+
+def fail_over(
+    run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str, reason: str, settings: Settings | None = None
+) -> tuple[dict, dict]:
+    """Place the run again without ``cluster`` (and every cluster it already failed on), stage its
+    data for the new one, and record both in placement.json: the run's page shows the failover and a
+    retried train task resumes on the new cluster. Returns (placement, staged)."""
+    from hybridflow.errors import GangError, PlacementError
+    from hybridflow.placement import choose_cluster as place
+
+    settings = settings or get_settings()
+    estate = _estate(settings)
+    excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
+    excluded[cluster] = reason
+    try:
+        decision = place(_admitted(run), estate, cluster_usage(estate, settings), exclude=excluded,
+                         queued_gpus=cluster_queue(estate, settings))
+    except PlacementError as exc:
+        raise GangError(f"{reason} on {cluster}, and no other cluster can take the run: {exc}") from exc
+    log.warning("Failing over from %s (%s):\n%s", cluster, reason, decision.explain())
+    out = decision.to_xcom()
+    staged = stage_data(run, out, settings)
+    out["staged_source"] = staged["source"]
+    write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "placement.json", out)
+    return out, staged
+
+
+def current_placement(run: Mapping[str, Any], placement: Mapping[str, Any], staged: Mapping[str, Any],
+                      settings: Settings | None = None) -> tuple[dict, dict]:
+    """The placement the train task works on: choose_cluster's, unless a failover since replaced it
+    (placement.json with failovers; a re-run choose_cluster rewrites that file without them)."""
+    settings = settings or get_settings()
+    path = run_dir(settings.private_root, run["run_key"]) / "placement.json"
+    try:
+        recorded = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return dict(placement), dict(staged)
+    if recorded.get("failovers") and recorded.get("staged_source"):
+        return recorded, {"source": recorded["staged_source"]}
+    return dict(placement), dict(staged)
 
 
 def cache_store_spec(cluster, prefix: str = ""):

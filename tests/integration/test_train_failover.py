@@ -1,0 +1,102 @@
+"""The train task fails over: a gang its cluster does not admit in time trains on the next candidate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from hybridflow.backends.local import LocalSlotPool
+from hybridflow.datasets import seed_digits
+from hybridflow.settings import REPO_ROOT
+
+
+@pytest.fixture
+def two_private(tmp_path, monkeypatch):
+    """Shipped config plus onprem-b, a cheaper twin of onprem-a; a 1 s gang admission timeout."""
+    home, config = tmp_path / "home", tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", config)
+    clusters = yaml.safe_load((config / "clusters.yaml").read_text())
+    twin = json.loads(json.dumps(clusters["clusters"]["onprem-a"]))
+    twin["prices"]["onprem"] = 0.90
+    twin["scratch_dir"] = "scratch/onprem-b"
+    clusters["clusters"]["onprem-b"] = twin
+    (config / "clusters.yaml").write_text(yaml.safe_dump(clusters, sort_keys=False))
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["training"].update(gang_admission_timeout_s=1, preemption_grace_s=5)
+    pipeline["placement"]["spill_threshold"] = 0.9
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    seed_digits(home / "private")
+    return home
+
+
+def _train_task(name: str, params: dict):
+    from hybridflow import pipeline
+    from hybridflow.operators.train import GangTrainOperator
+    from hybridflow.runs import RunIdentity
+
+    identity = RunIdentity("hybrid_training", f"manual__{name}", 1)
+    run = pipeline.admit({"cluster_preference": "private", **params}, identity)
+    placement = pipeline.choose_cluster(run)
+    staged = pipeline.stage_data(run, placement)
+    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
+    context = {
+        "dag": SimpleNamespace(dag_id=identity.dag_id),
+        "run_id": identity.run_id,
+        "ti": SimpleNamespace(try_number=1),
+        "dag_run": SimpleNamespace(triggering_user_name="test"),
+    }
+    return run, placement, op, context
+
+
+def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -> None:
+    home = two_private
+    run, placement, op, context = _train_task("failover", {"train_steps": 40, "checkpoint_every_steps": 20})
+    assert placement["cluster"] == "onprem-b"  # the cheaper twin wins the first placement
+    blocker = LocalSlotPool(home / "state", "onprem-b", 4)
+    assert blocker.try_acquire("someone-else", 4)
+    try:
+        result = op.execute(context)
+    finally:
+        blocker.release("someone-else")
+    assert result["cluster"] == "onprem-a" and result["final_step"] == 40
+    run_folder = home / "private" / "runs" / run["run_key"]
+    recorded = json.loads((run_folder / "placement.json").read_text())
+    assert recorded["cluster"] == "onprem-a"
+    assert recorded["failovers"] == [{"cluster": "onprem-b", "reason": "gang not admitted within 1 s"}]
+    excluded = next(c for c in recorded["candidates"] if c["cluster"] == "onprem-b")
+    assert excluded["rules"]["excluded"] == "excluded: gang not admitted within 1 s"
+    attempts = json.loads((run_folder / "train-attempts.json").read_text())
+    assert [(a["cluster"], a["outcome"]) for a in attempts] == [("onprem-b", "not_admitted"), ("onprem-a", "succeeded")]
+
+    # A retried train task (same XCom) resumes on the cluster it failed over to.
+    from hybridflow import pipeline
+
+    current, staged = pipeline.current_placement(run, placement, {"source": {}})
+    assert current["cluster"] == "onprem-a" and staged["source"]["kind"] == "local"
+
+
+def test_no_other_candidate_fails_the_try_with_every_reason(two_private: Path) -> None:
+    from hybridflow.errors import GangError
+
+    home = two_private
+    run, placement, op, context = _train_task("nowhere", {"train_steps": 40, "checkpoint_every_steps": 20})
+    pools = [LocalSlotPool(home / "state", name, 4) for name in ("onprem-a", "onprem-b")]
+    for pool in pools:
+        assert pool.try_acquire("someone-else", 4)
+    try:
+        with pytest.raises(GangError) as info:
+            op.execute(context)
+    finally:
+        for pool in pools:
+            pool.release("someone-else")
+    message = str(info.value)
+    assert "no other cluster can take the run" in message
+    assert "onprem-a (private): excluded: gang not admitted within 1 s" in message
+    assert "onprem-b (private): excluded: gang not admitted within 1 s" in message
