@@ -239,6 +239,11 @@ def test_admit_itself_refuses_a_frozen_project_and_records_nothing(webhook, stor
         admit({"project": "digits-ocr"}, estate, private)
     run = admit({"project": "digits-ocr", "priority": "critical", "budget_override": "INC-42"}, estate, private)
     assert run.request.budget_override == "INC-42"
+    from hybridflow.records import build_record
+    from hybridflow.runs import RunIdentity
+
+    record = build_record(run, RunIdentity("hybrid_training", "manual__hotfix"), {})
+    assert record["budget_override"] == "INC-42" and record["priority"] == "critical"
     assert admit({"project": "ranking", "workers": 1}, estate, private).project == "ranking"
 
 
