@@ -317,10 +317,24 @@ def stage_dataset(
     # parts start moving as soon as each file is hashed), small ones going into shards while they
     # are packed; only files sent on their own are hashed in the scan.
     big = tuning.multipart_threshold
-    files = source.scan(
-        index, md5_max_size=big, workers=settings.hash_workers,
-        defer=lambda fs: {f.rel for f in fs if f.size > big} | _packed(fs, settings),
+    # A dataset staged before (the index knows its files) is listed in the target while the source
+    # is scanned: on a re-stage both take seconds, and neither needs the other. A first stage lists
+    # after the scan, which tells how many blobs to expect (and so how to fan the listing out).
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="list-early")
+    early = (
+        background.submit(list_blobs, target, name, index.file_count, settings)
+        if index.file_count >= settings.fanout_list_min_blobs
+        else None
     )
+    try:
+        files = source.scan(
+            index, md5_max_size=big, workers=settings.hash_workers,
+            defer=lambda fs: {f.rel for f in fs if f.size > big} | _packed(fs, settings),
+        )
+    except BaseException:
+        background.shutdown(wait=False, cancel_futures=True)
+        raise
+    background.shutdown(wait=False)
     if not files:
         raise StagingError(f"dataset {source.uri} holds no files; nothing to stage")
     log.info(
@@ -360,7 +374,8 @@ def stage_dataset(
                                     md5=digest.md5 if digest else None, shard=plan))
 
     # One listing for the whole dataset, not a HEAD per file.
-    existing = list_blobs(target, name, len(blobs) + len(unknown_shards) + len(deferred), settings)
+    expected = len(blobs) + len(unknown_shards) + len(deferred)
+    existing = early.result() if early is not None else list_blobs(target, name, expected, settings)
     recorded = index.stored_etags(target.uri)
     items: list[UploadItem] = []
     repaired = 0

@@ -287,6 +287,25 @@ def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
     assert third.version != first.version
 
 
+def test_a_known_big_dataset_is_listed_fanned_out_while_it_is_scanned(store, tmp_path):
+    fanout = StagingSettings(pack="never", fanout_list_min_blobs=10)
+    ds = _folder(tmp_path, "wide", _small_files(40, 1024))
+    _age(ds.path)
+    index = tmp_path / "index.json"
+    first = _stage(ds, store, settings=fanout, index_path=index)
+    assert first.objects_copied == 40
+    log = Requests(store.client)
+    again = _stage(ds, store, settings=fanout, index_path=index)
+    assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
+    assert sorted({op for op, _, _ in log.calls}) == ["HeadObject", "ListObjectsV2"]
+    assert sum(op == "ListObjectsV2" for op, _, _ in log.calls) == 16  # one per first hex digit
+    # the early listing still sees what changed since
+    store.delete(next(iter(store.list(blob_prefix("wide")))).key)
+    _settle()
+    third = _stage(ds, store, settings=fanout, index_path=index)
+    assert third.objects_copied == 1 and third.version == first.version
+
+
 def test_a_manifest_replaced_behind_the_index_is_read_and_refused(store, tmp_path):
     ds = _folder(tmp_path, "swap", _small_files(5, 512))
     _age(ds.path)

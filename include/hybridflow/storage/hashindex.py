@@ -67,6 +67,11 @@ class HashIndex:
                 log.warning("hash index %s is unreadable (%s); hashing every file again", path, exc)
                 self._dirty = True
 
+    @property
+    def file_count(self) -> int:
+        """Files the index knew when it was loaded (a hint of the dataset's size)."""
+        return len(self._files)
+
     @staticmethod
     def file_key(st: os.stat_result) -> list[int]:
         """Identity of a local file's content: (size, mtime_ns, inode)."""
