@@ -50,6 +50,16 @@ def test_run_page_shows_the_winner_and_why_each_other_cluster_lost(settings, cli
     assert "The train task has not started." in html and "The record step has not run yet" in html
 
 
+def test_run_page_shows_a_failover(settings, client):
+    run = pipeline.admit({"gpu_type": "H100-80GB"}, RunIdentity("hybrid_training", RUN_ID), settings)
+    placement = pipeline.choose_cluster(run, settings)
+    placement["failovers"] = [{"cluster": "onprem-x", "reason": "gang not admitted within 120 s"}]
+    folder = run_dir(settings.private_root, run["run_key"])
+    (folder / "placement.json").write_text(json.dumps(placement))
+    html = client.get(f"/runs/hybrid_training/{RUN_ID}").text
+    assert "Failed over from:" in html and "onprem-x: gang not admitted within 120 s" in html
+
+
 def test_run_page_after_the_record_shows_attempts_and_artefacts(settings, client):
     _placed_run(settings, {})
     identity = RunIdentity("hybrid_training", RUN_ID)

@@ -98,6 +98,9 @@ def render_placement(placement: dict | None) -> str:
         f"{placement['price_per_gpu_hour']:.2f} USD/GPU-hour) for {placement['gpus']} x "
         f"{escape(placement['gpu_model'])}</p>{_reasons(placement.get('reasons', []))}"
     )
+    failovers = placement.get("failovers") or []
+    if failovers:
+        head += "<p>Failed over from:</p>" + _reasons([f"{f['cluster']}: {f['reason']}" for f in failovers])
     rows = []
     for c in placement.get("candidates", []):
         css = "won" if c.get("cluster") == placement["cluster"] else "lost"
