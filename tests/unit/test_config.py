@@ -174,6 +174,11 @@ BROKEN = [
     ("pipeline.yaml", _set(["placement", "spill_threshold"], 1.5), ["placement.spill_threshold", "1.5"]),
     ("pipeline.yaml", _set(["placement", "spill"], 0.5), ["placement.spill", "spill_threshold"]),
     ("pipeline.yaml", _set(["serving", "port"], 70000), ["serving.port", "65535"]),
+    ("pipeline.yaml", _set(["admission", "over_team_cap"], "queue"), ["admission.over_team_cap", "'wait'", "'refuse'"]),
+    ("pipeline.yaml", _set(["admission", "critical_preempts_batch"], "sometimes"),
+     ["admission.critical_preempts_batch", "valid boolean"]),
+    ("pipeline.yaml", _set(["placement", "spill_counts_queue"], "maybe"), ["placement.spill_counts_queue", "valid boolean"]),
+    ("pipeline.yaml", _set(["training", "gang_admission_timeout_s"], 0), ["training.gang_admission_timeout_s", "greater than 0"]),
     (
         "clusters.yaml",
         _set(["clusters", "onprem-a", "node_pools", 0, "pricing"], "spot"),
