@@ -65,7 +65,7 @@ def test_costs_page_embeds_the_latest_allocation_report(tmp_path, store):
         (reports / day / "report.html").write_text(f"<h1>GPU cost {day}</h1>")
     client = _client(tmp_path, store)
     html = client.get("/costs").text
-    assert "<iframe src='costs/report/2026-12-19'" in html
+    assert "<iframe src='/hybridflow/costs/report/2026-12-19'" in html
     assert client.get("/costs/report/2026-12-19").text == "<h1>GPU cost 2026-12-19</h1>"
     assert client.get("/costs/report/2026-12-01").status_code == 404
     assert client.get("/costs/report/..%2F..%2Frecords").status_code == 404
@@ -91,6 +91,13 @@ def test_run_cost_tab_shows_the_runs_cost_and_its_projects_budget(tmp_path, stor
     assert "Budget of digits-ocr for 2026-12" in html and "<td>frozen</td>" in html
     missing = client.get("/costs/runs/hybrid_training/<b>nope</b>").text
     assert "No run record yet" in missing and "<b>nope" not in missing
+
+
+def test_a_nightly_runs_cost_tab_shows_the_budgets_and_the_report(tmp_path, store):
+    _frozen(store)
+    html = _client(tmp_path, store).get("/costs/runs/gpu_budgets/asset_triggered__2026-12-20T03:00:00").text
+    assert "as of gpu_budgets / asset_triggered__2026-12-20T03:00:00" in html
+    assert "<tr class='frozen'><td>digits-ocr</td>" in html and "No allocation report yet" in html
 
 
 @pytest.mark.airflow

@@ -22,6 +22,8 @@ from hybridflow.ui.runs import _cell, _kv_table, _page, _read_json
 ALLOCATION_REPORTS = Path("reports") / "allocation"
 REPORT_FILE = "report.html"
 BUDGETS_DAG = "gpu_budgets"
+TRAINING_DAG = "hybrid_training"
+URL_PREFIX = "/hybridflow"  # where the plugin mounts the app (plugins/hybridflow_ui.py)
 
 _BUDGET_STYLE = """
 .frozen { background: #ffebe9; } .warn { background: #fff8c5; } .bar { display: inline-block; height: .7rem;
@@ -96,16 +98,17 @@ def render_budgets(rows: list[dict[str, Any]], period: str) -> str:
     )
 
 
-def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Path] | None, ledger_note: str) -> str:
-    parts = [f"<h1>GPU costs &amp; budgets</h1><h2>Budgets for {escape(period)}</h2>", render_budgets(rows, period)]
+def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Path] | None, ledger_note: str,
+                 *, base: str = URL_PREFIX, heading: str = "GPU costs &amp; budgets") -> str:
+    parts = [f"<h1>{heading}</h1><h2>Budgets for {escape(period)}</h2>", render_budgets(rows, period)]
     if ledger_note:
         parts.append(f"<p class='muted'>{escape(ledger_note)}</p>")
     parts.append("<h2>Latest allocation report</h2>")
     if report:
         day = escape(report[0])
         parts.append(
-            f"<p>Day {day}: <a href='costs/report/{day}' target='_blank'>open in a new tab</a></p>"
-            f"<iframe src='costs/report/{day}' title='allocation report {day}'></iframe>"
+            f"<p>Day {day}: <a href='{base}/costs/report/{day}' target='_blank'>open in a new tab</a></p>"
+            f"<iframe src='{base}/costs/report/{day}' title='allocation report {day}'></iframe>"
         )
     else:
         parts.append("<p class='muted'>No allocation report yet: the nightly allocation has not run.</p>")
@@ -128,14 +131,14 @@ def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_
     }
 
 
-def render_run_cost(view: dict[str, Any]) -> str:
+def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
     title = f"Cost of {view['dag_id']} / {view['run_id']}"
     parts = [f"<h1>{escape(title)}</h1>"]
     rec = view["record"]
     if not rec:
         parts.append(
             "<p class='muted'>No run record yet: the cost is known once the record step has run. "
-            "Project budgets: <a href='../../../costs'>GPU costs &amp; budgets</a>.</p>"
+            f"Project budgets: <a href='{base}/costs'>GPU costs &amp; budgets</a>.</p>"
         )
         return _page(title, "".join(parts))
     parts.append(_kv_table([
@@ -152,7 +155,7 @@ def render_run_cost(view: dict[str, Any]) -> str:
         parts.append(render_budgets([view["budget"]], view["period"]))
     else:
         parts.append("<p class='muted'>The project has no budget in config/budgets.yaml.</p>")
-    parts.append("<p><a href='../../../costs'>All projects and the latest allocation report</a></p>")
+    parts.append(f"<p><a href='{base}/costs'>All projects and the latest allocation report</a></p>")
     return _page(title, f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
 
 
@@ -164,6 +167,7 @@ def add_cost_pages(
     store_factory: Callable[[], Any] | None = None,
     today: Callable[[], date] | None = None,
     authorize: bool = True,
+    url_prefix: str = URL_PREFIX,
 ) -> None:
     """Mount the cost pages on the plugin app. ``authorize=False`` only for tests without an api-server."""
     from fastapi import Depends, HTTPException
@@ -203,7 +207,7 @@ def add_cost_pages(
         root, cfg_dir = paths()
         period = period_of((today or (lambda: datetime.now(UTC).date()))())
         rows, note = current_rows(cfg_dir, period)
-        return render_costs(rows, period, latest_report(root), note)
+        return render_costs(rows, period, latest_report(root), note, base=url_prefix)
 
     @app.get("/api/costs/budgets", dependencies=overview_access)
     def budgets_json() -> dict:
@@ -227,8 +231,13 @@ def add_cost_pages(
     @app.get("/costs/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=run_access)
     def run_cost_page(dag_id: str, run_id: str) -> str:
         root, cfg_dir = paths()
+        if dag_id != TRAINING_DAG:  # the nightly cost DAGs: the state they produced and the report
+            period = period_of((today or (lambda: datetime.now(UTC).date()))())
+            rows, note = current_rows(cfg_dir, period)
+            heading = f"GPU costs &amp; budgets, as of {escape(dag_id)} / {escape(run_id)}"
+            return render_costs(rows, period, latest_report(root), note, base=url_prefix, heading=heading)
         try:
             view = run_cost_view(root, cfg_dir, open_store(), dag_id, run_id)
         except SQLAlchemyError:  # the cost still shows; the budget column reads "not evaluated yet"
             view = run_cost_view(root, cfg_dir, None, dag_id, run_id)
-        return render_run_cost(view)
+        return render_run_cost(view, base=url_prefix)
