@@ -7,9 +7,10 @@ Takes a dataset from private storage to a served, compressed model:
 
 * **admit** checks the trigger form against `config/` (project, quota, GPU type, sensitivity rules).
 * **validate_data** runs a Great Expectations suite where the data lives; a failure stops the run.
-* **choose_cluster** places the run on one cluster of the estate and logs why.
+* **choose_cluster** places the run on one cluster of the estate and logs why every candidate won or lost.
 * **stage_data** copies the dataset to a public cluster's cloud cache (incremental, verified, manifest last).
-* **train** runs a gang of DDP workers; retries resume from the newest committed checkpoint. A preempted
+* **train** runs a gang of DDP workers (all or none; a gang not admitted in time fails over to the next
+  candidate cluster); retries resume from the newest committed checkpoint. A preempted
   gang (spot reclaim) is relaunched by the task itself; application errors use the task's retries.
 * **evaluate** / **compress** measure accuracy, size and latency; a compressed model that loses too much is refused.
 * **deploy** rolls the model out blue/green behind a stable endpoint; the old version serves until the new one passes.
