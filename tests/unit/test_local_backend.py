@@ -371,3 +371,15 @@ def test_critical_gang_does_not_preempt_when_disabled_or_not_enough(tmp_path, fa
     finally:
         backend.cancel("batch-gang")
         t_batch.join(20)
+
+
+def test_gang_held_by_its_team_cap_says_so(tmp_path):
+    from hybridflow.backends.local import GangNotAdmitted
+
+    backend = LocalGangBackend(tmp_path, "c", capacity=4)
+    assert LocalSlotPool(tmp_path, "other", 4).try_acquire("team-run", 3, team="x", team_cap=4)
+    job = GangJob(name="j", workers=2, spec={}, labels={"team": "x", "priority": "batch"}, team_cap=4)
+    with pytest.raises(GangNotAdmitted) as info:
+        backend.run(job, admission_timeout_s=0.3, log=lambda _: None)
+    assert info.value.over_team_cap and "holds its gpu_cap of 4 GPUs" in str(info.value)
+    assert backend.pool.waiting() == {} and backend.pool.usage() == 0

@@ -58,9 +58,11 @@ class GangWorkerExit(GangError):
 class GangNotAdmitted(GangError):
     """The gang's slots did not all come free within the admission timeout; nothing was started."""
 
-    def __init__(self, message: str, *, cluster: str) -> None:
+    def __init__(self, message: str, *, cluster: str, over_team_cap: bool = False) -> None:
         super().__init__(message)
         self.cluster = cluster
+        # Held back by its team's gpu_cap, which spans clusters: another cluster would not help.
+        self.over_team_cap = over_team_cap
 
 
 class GangPreempted(GangWorkerExit):
@@ -417,6 +419,14 @@ class LocalGangBackend:
         try:
             while not acquire():
                 if time.monotonic() >= deadline:
+                    if self.pool.waiting().get(job.name, {}).get("over_cap"):
+                        raise GangNotAdmitted(
+                            f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: team {job.team!r} "
+                            f"holds its gpu_cap of {job.team_cap} GPUs; it starts when the team's other runs "
+                            "finish (the task retries), or raise the cap in projects.yaml",
+                            cluster=self.cluster,
+                            over_team_cap=True,
+                        )
                     raise GangNotAdmitted(
                         f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: needs "
                         f"{job.workers} slots on cluster {self.cluster!r}, {self.pool.usage()} of "

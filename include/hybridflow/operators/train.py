@@ -65,8 +65,8 @@ class GangTrainOperator(BaseOperator):
             except GangNotAdmitted as exc:
                 # Nothing started there: place the run on the next eligible candidate (recorded in
                 # placement.json); with none left, GangError fails this try and Airflow retries it.
-                if self._killed:
-                    raise
+                if self._killed or exc.over_team_cap:
+                    raise  # the team's cap holds on every cluster: wait for the task's retry instead
                 self.log.warning("%s; failing over to the next placement candidate", exc)
                 placement, staged = fail_over(
                     self.run, placement, exc.cluster, f"gang not admitted within {timeout:g} s", settings
