@@ -355,6 +355,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--price-memory-gb", default="80")
     ap.add_argument("--price-region", default="us-east-1")
     args = ap.parse_args(argv)
+    for name in ("restricted_share", "interruptible_share", "spill_threshold"):
+        if not 0 <= getattr(args, name) <= 1:
+            ap.error(f"--{name.replace('_', '-')} must be between 0 and 1, got {getattr(args, name)}")
+    if args.private_gpus < 1 or args.admission_timeout_s < 1:
+        ap.error("--private-gpus and --admission-timeout-s must be at least 1")
+    for path in (args.pods, args.nodes, args.prices):
+        if not path.is_file():
+            ap.error(f"{path}: no such file")
 
     t0 = time.monotonic()
     jobs, skipped = read_jobs(args.pods, args.restricted_share, args.interruptible_share, args.seed)

@@ -78,3 +78,18 @@ def test_bad_trace_file_is_refused(tmp_path: Path) -> None:
     pods, nodes = write_trace(tmp_path, [(0, "LS", 0, 10, 0)])
     with pytest.raises(SystemExit, match="no task with GPUs"):
         trace.main([str(pods), str(nodes)])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--restricted-share", "1.5"], "--restricted-share must be between 0 and 1"),
+        (["--private-gpus", "0"], "--private-gpus and --admission-timeout-s must be at least 1"),
+        (["--prices", "/nonexistent.csv"], "/nonexistent.csv: no such file"),
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    pods, nodes = write_trace(tmp_path, [(1, "LS", 0, 10, 0)])
+    with pytest.raises(SystemExit):
+        trace.main([str(pods), str(nodes), *args])
+    assert message in capsys.readouterr().err
