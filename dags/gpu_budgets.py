@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from airflow.sdk import Asset, dag, get_current_context, task
+from airflow.sdk import Asset, Param, dag, get_current_context, task
 
-from hybridflow.budgets.nightly import ALLOCATIONS_ASSET
+from hybridflow.budgets import ALLOCATIONS_ASSET
 
 default_args = {"owner": "ml-platform", "retries": 2, "retry_delay": timedelta(minutes=2)}
 
@@ -34,14 +34,26 @@ default_args = {"owner": "ml-platform", "retries": 2, "retry_delay": timedelta(m
     default_args=default_args,
     tags=["cost", "budgets"],
     doc_md=__doc__,
+    params={
+        "period": Param(
+            "",
+            type="string",
+            pattern="^(|[0-9]{4}-(0[1-9]|1[0-2]))$",
+            title="Month (YYYY-MM)",
+            description="Evaluate this month; empty: the month of the day the nightly allocation just processed "
+            "(or the current month for a manual run).",
+        )
+    },
 )
 def gpu_budgets():
     @task
-    def evaluate_budgets() -> dict:
+    def evaluate_budgets(params=None) -> dict:
         from hybridflow.budgets import nightly
 
         context = get_current_context()
-        period = nightly.period_to_evaluate(context.get("triggering_asset_events"), context["dag_run"].run_after)
+        period = (params or {}).get("period") or nightly.period_to_evaluate(
+            context.get("triggering_asset_events"), context["dag_run"].run_after
+        )
         return nightly.evaluate_budgets(period)
 
     evaluate_budgets()

@@ -7,13 +7,12 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
 from typing import Any
 
+from hybridflow.budgets import ALLOCATIONS_ASSET  # noqa: F401 (re-exported for callers)
 from hybridflow.budgets.config import period_of
 from hybridflow.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-# Emitted by the nightly allocation DAG for each day it (re)allocates; extra {"day": "YYYY-MM-DD"}.
-ALLOCATIONS_ASSET = "hybridflow://ledger/allocations"
 
 
 def period_to_evaluate(asset_events: Mapping[Any, Iterable[Any]] | None, run_after: datetime | date) -> str:
