@@ -169,15 +169,26 @@ def run_key_of(pod: str | None, run_keys: Iterable[str]) -> str | None:
     return max(matches, key=len) if matches else None
 
 
-def attribute(samples: Iterable[GpuSample], runs: Mapping[str, str],
+def known_runs(private_root: Path) -> dict[str, str | None]:
+    """Run key -> project of the runs on record (finished) and in progress (a run folder, no
+    record yet: project unknown)."""
+    from hybridflow.records import read_records
+
+    runs: dict[str, str | None] = {p.name: None for p in (private_root / "runs").glob("*") if p.is_dir()}
+    for rec in read_records(private_root):
+        runs[rec["run_key"]] = rec.get("project")
+    return runs
+
+
+def attribute(samples: Iterable[GpuSample], runs: Mapping[str, str | None],
               namespaces: Iterable[str] = ()) -> dict[tuple, str]:
     """Sample key -> run key, for samples whose pod is a run's gang. ``runs`` maps run key ->
-    project; the pod's namespace must be unset, the run's project (local stand-in) or one of
-    ``namespaces`` (the Kubernetes clusters' gang namespaces)."""
+    project (None while unknown); the pod's namespace must be unset, the run's project (local
+    stand-in) or one of ``namespaces`` (the Kubernetes clusters' gang namespaces)."""
     allowed = set(namespaces)
     out = {}
     for s in samples:
         key = run_key_of(s.pod, runs)
-        if key is not None and (s.namespace is None or s.namespace == runs[key] or s.namespace in allowed):
+        if key is not None and (s.namespace is None or runs[key] in (None, s.namespace) or s.namespace in allowed):
             out[s.key()] = key
     return out
