@@ -296,3 +296,11 @@ def test_nightly_evaluation_without_an_allocation_table_says_what_to_run(tmp_pat
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
     with pytest.raises(LedgerError, match="has no 'allocation' table: run the nightly allocation"):
         evaluate_budgets(PERIOD, Settings(home=tmp_path, config_dir=REPO_ROOT / "config"), at=AT)
+
+
+def test_admit_passes_while_the_ledger_has_no_budget_tables_yet(tmp_path):
+    estate = load_estate(REPO_ROOT / "config")
+    engine = create_engine(f"sqlite:///{tmp_path / 'fresh-ledger.db'}")
+    with engine.begin() as conn:  # a ledger the allocation created, before any budget evaluation
+        conn.exec_driver_sql("CREATE TABLE allocation (day DATE, project TEXT, cost_usd FLOAT)")
+    refuse_if_frozen("digits-ocr", "normal", "", estate, store=BudgetStore(engine), today=date(2026, 12, 21))

@@ -47,7 +47,7 @@ def refuse_if_frozen(
     and carries a ``budget_override`` reason. A budget raised in budgets.yaml since the freeze lets
     runs in at once, before the nightly evaluation records the lift."""
     store = store or default_store()
-    if store is None:
+    if store is None or not store.has_schema():  # never evaluated: nothing can be frozen
         return
     period = period_of(today or datetime.now(UTC).date())
     state = store.get(project, period)

@@ -91,6 +91,12 @@ class BudgetStore:
         """Create the two budget tables where they are missing (a no-op once they exist)."""
         metadata.create_all(self.engine, checkfirst=True)
 
+    def has_schema(self) -> bool:
+        """Whether the budget tables exist (not before the first budget evaluation)."""
+        from sqlalchemy import inspect
+
+        return inspect(self.engine).has_table(budget_state.name)
+
     def get(self, project: str, period: str) -> BudgetState | None:
         with self.engine.connect() as conn:
             row = conn.execute(
