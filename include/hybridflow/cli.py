@@ -7,6 +7,8 @@
     hybridflow cache versions|prune --cluster C --dataset D
                                list a cloud cache's dataset versions, or prune the old ones
     hybridflow dcgm URL|FILE   scrape a dcgm-exporter (or read a saved page), print per-GPU samples as JSON
+    hybridflow local-exporter --cluster C [--port P]
+                               serve a local cluster's slots in dcgm-exporter's format (the local stand-in)
 """
 
 from __future__ import annotations
@@ -177,6 +179,48 @@ def cmd_dcgm(args) -> int:
     return 0
 
 
+def cmd_local_exporter(args) -> int:
+    from hybridflow.config import load_estate
+    from hybridflow.metering.local_exporter import LocalExporterServer, LocalSlotExporter
+    from hybridflow.settings import get_settings
+
+    settings = get_settings()
+    estate = load_estate(settings.config_dir)
+    if args.cluster not in estate.clusters:
+        raise SystemExit(f"--cluster: {args.cluster!r} is not in clusters.yaml; use one of {sorted(estate.clusters)}")
+    metering = estate.pipeline.metering
+    try:
+        exporter = LocalSlotExporter(settings.state_dir, estate.clusters[args.cluster],
+                                     idle_w=metering.local_idle_w, busy_w=metering.local_busy_w)
+    except ValueError as exc:
+        raise SystemExit(f"--cluster: {exc}") from exc
+    with LocalExporterServer(exporter, host="127.0.0.1", port=args.port) as server:
+        print(f"serving {args.cluster}'s slots at {server.url} (the local stand-in for dcgm-exporter); Ctrl-C stops",
+              flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_budgets(args) -> int:
+    from datetime import UTC, datetime
+
+    from hybridflow.budgets.config import period_of
+    from hybridflow.budgets.enforce import default_store
+    from hybridflow.settings import get_settings
+    from hybridflow.ui.costs import budget_rows
+
+    period = args.period or period_of(datetime.now(UTC).date())
+    store = default_store()
+    rows = budget_rows(get_settings().config_dir, store if store and store.has_schema() else None, period)
+    json.dump({"period": period, "projects": rows}, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     dcgm.add_argument("--timeout", type=float, default=5.0, help="connect and read timeout in seconds (default 5)")
     dcgm.add_argument("--retries", type=int, default=2, help="retries on connection errors and 5xx (default 2)")
     dcgm.set_defaults(func=cmd_dcgm)
+    lx = sub.add_parser("local-exporter", help="serve a local cluster's slots in dcgm-exporter's format on 127.0.0.1")
+    lx.add_argument("--cluster", required=True, help="a cluster with backend local in config/clusters.yaml")
+    lx.add_argument("--port", type=int, default=9400, help="port on 127.0.0.1 (default 9400, dcgm-exporter's)")
+    lx.set_defaults(func=cmd_local_exporter)
+    budgets = sub.add_parser("budgets", help="each project's budget, spend and freeze for a month, as JSON")
+    budgets.add_argument("--period", help="month as YYYY-MM (default: the current month)")
+    budgets.set_defaults(func=cmd_budgets)
     args = parser.parse_args(argv)
     return args.func(args)
 

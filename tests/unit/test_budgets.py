@@ -304,3 +304,16 @@ def test_admit_passes_while_the_ledger_has_no_budget_tables_yet(tmp_path):
     with engine.begin() as conn:  # a ledger the allocation created, before any budget evaluation
         conn.exec_driver_sql("CREATE TABLE allocation (day DATE, project TEXT, cost_usd FLOAT)")
     refuse_if_frozen("digits-ocr", "normal", "", estate, store=BudgetStore(engine), today=date(2026, 12, 21))
+
+
+def test_cli_prints_each_projects_budget_state(store, tmp_path, monkeypatch, capsys):
+    from hybridflow.cli import main
+
+    reason = "project 'digits-ocr' has spent 25,010.00 USD of its 25,000.00 USD budget for 2026-12"
+    store.record("digits-ocr", PERIOD, budget_usd=25_000, spend_usd=25_010, frozen=True, reason=reason, at=AT)
+    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", str(store.engine.url))
+    assert main(["budgets", "--period", PERIOD]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by_project = {p["project"]: p for p in out["projects"]}
+    assert out["period"] == PERIOD and by_project["digits-ocr"]["frozen"] and by_project["digits-ocr"]["reason"] == reason
+    assert by_project["ranking"]["budget_usd"] == 8000 and by_project["ranking"]["spend_usd"] is None
