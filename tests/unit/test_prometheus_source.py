@@ -15,14 +15,19 @@ from pathlib import Path
 import pytest
 import requests
 
+from hybridflow.config import load_estate
 from hybridflow.metering.dcgm import DcgmError, ExporterUnreachable, ScrapeSettings, parse_metrics
+from hybridflow.metering.local_exporter import LocalExporterServer, LocalSlotExporter
 from hybridflow.metering.prometheus import MAX_POINTS, PrometheusSource, aligned_window
+from hybridflow.settings import REPO_ROOT
 
 REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
 SAMPLES = REFERENCE / "dcgm-exporter" / "samples"
 PAGES = ("aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom",
          "lke_RTX4000Ada_k8s-pod-labels_xid-errmsg_drv580.95.05.prom")
 PROMETHEUS = shutil.which("prometheus")
+# the stand-in reports no temperature: the sample GPUs by temperature, the local slots by utilisation
+WAIT_QUERY = 'count(DCGM_FI_DEV_GPU_TEMP) + count(DCGM_FI_DEV_GPU_UTIL{cluster="local"})'
 
 
 def _free_port() -> int:
@@ -57,12 +62,17 @@ def prometheus(tmp_path_factory):
     root = tmp_path_factory.mktemp("prometheus")
     exporters = [_serve((SAMPLES / page).read_text()) for page in PAGES]
     targets = ", ".join(f"'127.0.0.1:{s.server_address[1]}'" for s in exporters)
+    # and the local stand-in exporter of an idle local cluster, as a Prometheus would scrape it
+    estate = load_estate(REPO_ROOT / "config", use_cache=False)
+    local = LocalExporterServer(LocalSlotExporter(root / "state", estate.clusters["onprem-a"], node="box")).start()
+    local_target = local.url.removeprefix("http://").removesuffix("/metrics")
     (root / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: dcgm\n"
         "    honor_labels: true\n"
-        f"    static_configs: [{{targets: [{targets}], labels: {{cluster: fixture}}}}]\n"
+        f"    static_configs: [{{targets: [{targets}], labels: {{cluster: fixture}}}},\n"
+        f"                     {{targets: ['{local_target}'], labels: {{cluster: local}}}}]\n"
     )
     port = _free_port()
     log = open(root / "prometheus.log", "wb")
@@ -78,9 +88,9 @@ def prometheus(tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"prometheus exited {proc.returncode}: {(root / 'prometheus.log').read_text()[-2000:]}")
             try:
-                r = requests.get(f"{base}/api/v1/query", params={"query": "count(DCGM_FI_DEV_GPU_TEMP)"}, timeout=2)
+                r = requests.get(f"{base}/api/v1/query", params={"query": WAIT_QUERY}, timeout=2)
                 result = r.json()["data"]["result"]
-                if result and result[0]["value"][1] == "9":  # 8 H100s + 1 RTX 4000 scraped
+                if result and result[0]["value"][1] == "13":  # 8 H100s + 1 RTX 4000 + 4 local slots
                     break
             except (requests.RequestException, ValueError, KeyError):
                 pass
@@ -100,6 +110,7 @@ def prometheus(tmp_path_factory):
         for server in exporters:
             server.shutdown()
             server.server_close()
+        local.stop()
 
 
 def test_range_query_gives_the_same_samples_as_scraping(prometheus):
@@ -122,6 +133,16 @@ def test_range_query_gives_the_same_samples_as_scraping(prometheus):
     # the same window read again: the same keys (idempotent storage downstream)
     again = source.samples(cluster="fixture", start=start, end=end, step=timedelta(seconds=1))
     assert [s.key() for s in again] == [s.key() for s in samples]
+
+
+def test_local_stand_in_exporter_through_prometheus(prometheus):
+    source = PrometheusSource(prometheus, selector='cluster="local"')
+    end = datetime.now(UTC)
+    samples = source.samples(cluster="onprem-a", start=end - timedelta(seconds=3), end=end, step=timedelta(seconds=1))
+    latest = max(s.ts for s in samples)
+    now = [s for s in samples if s.ts == latest]
+    assert [(s.gpu_uuid, s.gpu_model, s.node, s.util_pct, s.power_w) for s in now] == [
+        (f"GPU-local-onprem-a-{i}", "A100-80GB", "box", 0.0, 60.0) for i in range(4)]
 
 
 def test_selector_that_matches_nothing_gives_no_samples(prometheus):
