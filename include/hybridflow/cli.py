@@ -221,6 +221,19 @@ def cmd_budgets(args) -> int:
     return 0
 
 
+def cmd_ledger(args) -> int:
+    from hybridflow.budgets.enforce import ledger_url
+    from hybridflow.ledger import upgrade
+    from hybridflow.settings import get_settings
+
+    url = args.url or ledger_url(get_settings().home)
+    upgrade(url)
+    from sqlalchemy.engine import make_url
+
+    print(f"ledger at {make_url(url).render_as_string(hide_password=True)} is at the latest schema")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     budgets = sub.add_parser("budgets", help="each project's budget, spend and freeze for a month, as JSON")
     budgets.add_argument("--period", help="month as YYYY-MM (default: the current month)")
     budgets.set_defaults(func=cmd_budgets)
+    ledger = sub.add_parser("ledger", help="create or migrate the ledger database to the latest schema")
+    ledger.add_argument("action", choices=["upgrade"])
+    ledger.add_argument("--url", help="SQLAlchemy URL (default: HYBRIDFLOW_LEDGER_URL, else ledger/ledger.db under HYBRIDFLOW_HOME)")
+    ledger.set_defaults(func=cmd_ledger)
     args = parser.parse_args(argv)
     return args.func(args)
 

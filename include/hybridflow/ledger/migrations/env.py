@@ -1,0 +1,14 @@
+"""Alembic environment of the ledger: run through hybridflow.ledger.upgrade with a connection."""
+
+from alembic import context
+
+from hybridflow.ledger.models import Base
+
+# Its own version table, so the ledger can share a database with Airflow's metadata.
+VERSION_TABLE = "hybridflow_ledger_version"
+
+connection = context.config.attributes["connection"]
+context.configure(connection=connection, target_metadata=Base.metadata, version_table=VERSION_TABLE,
+                  render_as_batch=True)
+with context.begin_transaction():
+    context.run_migrations()

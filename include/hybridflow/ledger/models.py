@@ -1,0 +1,141 @@
+"""The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
+allocations). Budget state lives in the same database, in tables owned by hybridflow.budgets.store."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Boolean, DateTime, Float, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData()
+
+
+class GpuSampleRow(Base):
+    """One GpuSample (hybridflow.metering.records), keyed like GpuSample.key(); ts is naive UTC."""
+
+    __tablename__ = "gpu_sample"
+    __table_args__ = (UniqueConstraint("cluster", "node", "gpu_uuid", "mig_key", "ts", name="uq_gpu_sample_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[datetime] = mapped_column(DateTime, index=True)
+    cluster: Mapped[str] = mapped_column(String(128))
+    node: Mapped[str] = mapped_column(String(255))
+    gpu_uuid: Mapped[str] = mapped_column(String(128))
+    # mig_instance or "": part of the unique key, where NULLs would never collide.
+    mig_key: Mapped[str] = mapped_column(String(64), default="")
+    gpu_index: Mapped[int | None] = mapped_column(Integer)
+    gpu_model: Mapped[str | None] = mapped_column(String(128))
+    mig_profile: Mapped[str | None] = mapped_column(String(64))
+    mig_instance: Mapped[str | None] = mapped_column(String(64))
+    namespace: Mapped[str | None] = mapped_column(String(255))
+    pod: Mapped[str | None] = mapped_column(String(255))
+    container: Mapped[str | None] = mapped_column(String(255))
+    util_pct: Mapped[float | None] = mapped_column(Float)
+    mem_used_mib: Mapped[float | None] = mapped_column(Float)
+    mem_free_mib: Mapped[float | None] = mapped_column(Float)
+    power_w: Mapped[float | None] = mapped_column(Float)
+    temp_c: Mapped[float | None] = mapped_column(Float)
+    energy_mj: Mapped[float | None] = mapped_column(Float)
+    xid: Mapped[int | None] = mapped_column(Integer)
+    ecc_sbe: Mapped[int | None] = mapped_column(Integer)
+    ecc_dbe: Mapped[int | None] = mapped_column(Integer)
+    run_key: Mapped[str | None] = mapped_column(String(255), index=True)
+
+
+class Run(Base):
+    """A pipeline run, from its run record."""
+
+    __tablename__ = "run"
+
+    run_key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    project: Mapped[str] = mapped_column(String(128), index=True)
+    team: Mapped[str | None] = mapped_column(String(128))
+    cluster: Mapped[str | None] = mapped_column(String(128))
+    gpu_model: Mapped[str | None] = mapped_column(String(128))
+    pricing_class: Mapped[str | None] = mapped_column(String(32))
+    price_per_gpu_hour: Mapped[float | None] = mapped_column(Float)
+    workers: Mapped[int | None] = mapped_column(Integer)
+    priority: Mapped[str | None] = mapped_column(String(32))
+    dag_id: Mapped[str | None] = mapped_column(String(255))
+    run_id: Mapped[str | None] = mapped_column(String(255))
+    gpu_hours: Mapped[float | None] = mapped_column(Float)
+    steps_trained: Mapped[int | None] = mapped_column(Integer)
+    steps_lost: Mapped[int | None] = mapped_column(Integer)
+    budget_override: Mapped[str | None] = mapped_column(Text)
+    recorded_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class Attempt(Base):
+    """One try at training a run: every try holds GPUs, whatever its outcome."""
+
+    __tablename__ = "attempt"
+    __table_args__ = (UniqueConstraint("run_key", "seq", name="uq_attempt_run_seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_key: Mapped[str] = mapped_column(String(255), index=True)
+    seq: Mapped[int] = mapped_column(Integer)  # position in the record's attempt list
+    try_number: Mapped[int | None] = mapped_column(Integer)
+    label: Mapped[str | None] = mapped_column(String(255))
+    cluster: Mapped[str | None] = mapped_column(String(128))
+    started_at: Mapped[datetime] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+    gpus: Mapped[int] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(32))  # succeeded, failed, preempted, interrupted, stopped, ...
+    start_step: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    # Work done again by the next try: this try's last step minus the step the next one resumed from.
+    steps_lost: Mapped[int | None] = mapped_column(Integer)
+
+
+class Price(Base):
+    """Versioned price catalog: the row with the latest valid_from on or before a day applies."""
+
+    __tablename__ = "price"
+    __table_args__ = (
+        UniqueConstraint("cluster", "pricing_class", "gpu_model", "valid_from", name="uq_price_version"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster: Mapped[str] = mapped_column(String(128))
+    pricing_class: Mapped[str] = mapped_column(String(32))
+    gpu_model: Mapped[str] = mapped_column(String(128))
+    usd_per_gpu_hour: Mapped[float] = mapped_column(Float)
+    valid_from: Mapped[str] = mapped_column(String(10))  # ISO date
+    source: Mapped[str] = mapped_column(String(255))
+
+
+class Allocation(Base):
+    """One day's GPU use and cost per project, team, cluster, GPU model and pricing class."""
+
+    __tablename__ = "allocation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)  # ISO date: budgets compare it as a string
+    project: Mapped[str] = mapped_column(String(128), index=True)
+    team: Mapped[str] = mapped_column(String(128))
+    cluster: Mapped[str] = mapped_column(String(128))
+    gpu_model: Mapped[str] = mapped_column(String(128))
+    pricing_class: Mapped[str] = mapped_column(String(32))
+    gpu_hours: Mapped[float] = mapped_column(Float)
+    effective_gpu_hours: Mapped[float | None] = mapped_column(Float)
+    cost_usd: Mapped[float] = mapped_column(Float)
+    waste: Mapped[bool] = mapped_column(Boolean, default=False)
+    waste_gpu_hours: Mapped[float] = mapped_column(Float, default=0.0)
+    preempted_gpu_hours: Mapped[float] = mapped_column(Float, default=0.0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class IdleAllocation(Base):
+    """Idle owned capacity of a day, billed to the teams whose guaranteed share it was."""
+
+    __tablename__ = "idle_allocation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)
+    team: Mapped[str] = mapped_column(String(128))  # or "(platform)" for the unguaranteed rest
+    cluster: Mapped[str] = mapped_column(String(128))
+    gpu_hours: Mapped[float] = mapped_column(Float)
+    cost_usd: Mapped[float] = mapped_column(Float)
