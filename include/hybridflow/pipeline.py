@@ -305,4 +305,8 @@ def record(
     rec = build_record(_admitted(run), identity, steps)
     path = write_record(settings.private_root, rec)
     log.info("Run record written to %s", path)
+    from hybridflow.ledger import ingest_run_record
+
+    # Into the ledger too (replacing this run's rows), where the nightly cost allocation reads attempts.
+    log.info("Ledger: %d training attempts of %s stored", ingest_run_record(rec), rec["run_key"])
     return {"record_path": str(path), **{k: rec[k] for k in ("cluster", "gpu_hours", "workers")}}
