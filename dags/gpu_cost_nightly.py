@@ -1,0 +1,59 @@
+"""
+### GPU cost allocation, nightly
+
+For the day before (the run's data interval; backfill with `airflow backfill create --dag-id
+gpu_cost_nightly --from-date ... --to-date ...`, or trigger with the `day` Param) this allocates every
+training attempt's GPU-hours and cost to its project, team, cluster, GPU model and pricing class, with
+utilisation-weighted effective GPU-hours, waste flags, GPU-hours lost to preemption and the idle cost of
+owned capacity billed to the teams whose guaranteed share it was.
+
+Output: the `allocation` and `idle_allocation` tables of the ledger, CSV/Parquet files and an HTML report
+under `private/reports/allocation/<day>/` (*Browse → GPU costs & budgets*). Each run emits the
+`hybridflow://ledger/allocations` asset with extra `{"day": ...}`, which triggers `gpu_budgets`.
+
+Safe to clear and re-run: a day's rows are replaced in one transaction, with identical results.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import Asset, Param, dag, get_current_context, task
+
+from hybridflow.budgets import ALLOCATIONS_ASSET
+
+default_args = {"owner": "ml-platform", "retries": 2, "retry_delay": timedelta(minutes=5)}
+# Named as budgets schedule on it; an "x-" URI scheme is left alone, so no provider URI handler (boto3
+# among them) is loaded at parse time.
+allocations = Asset(name=ALLOCATIONS_ASSET, uri="x-" + ALLOCATIONS_ASSET)
+
+
+@dag(
+    dag_id="gpu_cost_nightly",
+    schedule="@daily",
+    start_date=datetime(2026, 1, 1),
+    catchup=False,  # backfills run on request (airflow backfill create)
+    max_active_runs=1,
+    default_args=default_args,
+    tags=["cost", "ledger"],
+    doc_md=__doc__,
+    params={
+        "day": Param("", type="string", pattern="^(|[0-9]{4}-[0-9]{2}-[0-9]{2})$", title="Day (YYYY-MM-DD)",
+                     description="Allocate this UTC day; empty: the run's data interval (the day before the run)."),
+    },
+)
+def gpu_cost_nightly():
+    @task(outlets=[allocations])
+    def allocate(params=None) -> dict:
+        from hybridflow.ledger.nightly import allocate_for_run
+
+        context = get_current_context()
+        summary = allocate_for_run((params or {}).get("day"), context.get("data_interval_start"),
+                                   context.get("logical_date"), context["dag_run"].run_after)
+        context["outlet_events"][allocations].extra = {"day": summary["day"]}
+        return summary
+
+    allocate()
+
+
+gpu_cost_nightly()
