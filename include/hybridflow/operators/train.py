@@ -142,6 +142,9 @@ class GangTrainOperator(BaseOperator):
                 cluster.name,
                 progress_of=lambda earlier: _progress(places, earlier, self.log),
             )
+            bill = {"run_key": run_key, "admitted": admitted, "identity": identity, "placement": placement,
+                    "log": self.log}
+            _note_in_ledger(_read_attempts(attempts_path), **bill)
             outcome = "failed"
             try:
                 self._backend.run(
@@ -180,6 +183,7 @@ class GangTrainOperator(BaseOperator):
                 raise
             finally:
                 attempts = _finish_attempt(attempts_path, attempt, outcome, _progress(places, label, self.log))
+                _note_in_ledger(attempts, **bill)
             if outcome == "succeeded":
                 break
             preemptions += 1
@@ -268,6 +272,28 @@ def _read_attempts(path: Path) -> list[dict]:
 
 def _write_attempts(path: Path, attempts: list[dict]) -> None:
     write_json_atomic(path, attempts)
+
+
+def _note_in_ledger(attempts: list[dict], *, run_key: str, admitted, identity, placement: dict, log) -> None:
+    """Put the run's attempts in the ledger as they start and end, so the nightly allocation bills
+    GPU time of runs that fail, or are still going, before their record step; the run record
+    replaces these rows when it is written. Best effort: the ledger never stops training."""
+    req = admitted.request
+    provisional = {
+        "run_key": run_key, "project": req.project, "team": admitted.team,
+        "cluster": placement.get("cluster"), "gpu_type": req.gpu_type,
+        "pricing_class": placement.get("pricing_class"), "price_per_gpu_hour": placement.get("price_per_gpu_hour"),
+        "workers": req.workers, "priority": req.priority, "dag_id": identity.dag_id, "run_id": identity.run_id,
+        "budget_override": req.budget_override,
+        "train_attempts": [{k: v for k, v in a.items() if not k.startswith("_")} for a in attempts],
+        "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    try:
+        from hybridflow.ledger import ingest_run_record
+
+        ingest_run_record(provisional)
+    except Exception as exc:  # noqa: BLE001 - billing catches up from the run record
+        log.warning("could not note the training attempts in the ledger (%s); the run record brings them", exc)
 
 
 def _start_attempt(
