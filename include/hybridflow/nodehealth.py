@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hybridflow.backends.k8s.manifests import GANG_LABEL  # on every pod of a gang job
 from hybridflow.metering.collect import NodeFinding
 
 __all__ = ["NodeFinding", "NodeDecision", "decide", "report_findings", "clear_node", "KubernetesNodeActions",
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "nodehealth.json"
 TAINT_KEY = "hybridflow.io/gpu-unhealthy"
-# Every pod of a gang job carries this label (set by hybridflow.backends.k8s.manifests).
-GANG_LABEL = "hybridflow.io/gang"
 PROBE_FAILURES_TO_CORDON = 2
 
 

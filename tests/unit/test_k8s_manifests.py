@@ -1,0 +1,138 @@
+"""Gang manifests: every generated object validates against the real CRD schema (Volcano Job) or
+Kubernetes' own schemas (batch/v1 Job, Service, Secret, PriorityClass), names are deterministic
+DNS-1123 labels, and bad specs are refused naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from tests.unit.k8s_sim import REFERENCE, crd_schema
+
+from hybridflow.backends.k8s.manifests import (
+    GANG_LABEL,
+    KUEUE_QUEUE_LABEL,
+    GangSpec,
+    ManifestError,
+    env_secret,
+    gang_job_name,
+    gang_manifest,
+    kueue_job,
+    priority_classes,
+    rendezvous_service,
+    volcano_job,
+)
+from hybridflow.config import NodePool
+
+K8S = "1.33"
+POOL = NodePool(name="h100", gpu_model="H100-80GB", gpu_memory_gib=80, gpus=16,
+                node_labels={"hybridflow.io/pool": "h100", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"})
+
+
+def _spec(**kw) -> GangSpec:
+    base = dict(name=gang_job_name("train_model", "manual__2026-12-03", "train", "cloud-east", readable="train-r1"),
+                namespace="hybridflow", workers=4, image="ghcr.io/example/trainer:1.0",
+                command=("python", "-m", "hybridflow.training.worker"), pool=POOL, queue="vision",
+                priority="batch", labels={"project": "digits", "team": "vision"},
+                env={"HYBRIDFLOW_JOB_SPEC": '{"run_key": "r1"}'}, env_secret="train-r1-env")
+    return GangSpec(**{**base, **kw})
+
+
+def test_volcano_job_validates_against_the_crd_and_gangs_all_workers():
+    job = volcano_job(_spec())
+    jsonschema.validate(job, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+    spec = job["spec"]
+    assert spec["minAvailable"] == 4 and spec["queue"] == "vision" and spec["schedulerName"] == "volcano"
+    assert spec["priorityClassName"] == "hybridflow-batch"
+    assert {(p["event"], p["action"]) for p in spec["policies"]} == {("PodEvicted", "RestartJob"),
+                                                                     ("PodFailed", "RestartJob")}
+    assert spec["maxRetry"] == 3 and set(spec["plugins"]) == {"pytorch", "svc", "env"}
+    assert [(t["name"], t["replicas"]) for t in spec["tasks"]] == [("master", 1), ("worker", 3)]
+    pod = spec["tasks"][1]["template"]["spec"]
+    assert pod["nodeSelector"] == POOL.node_labels
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "train-r1-env"}}]
+    assert spec["tasks"][0]["template"]["metadata"]["labels"][GANG_LABEL] == job["metadata"]["name"]
+    # The pod template is a valid core PodTemplateSpec too.
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                  "template": spec["tasks"][1]["template"]}, K8S, strict=True)
+
+
+def test_single_worker_volcano_job_has_only_a_master():
+    job = volcano_job(_spec(workers=1))
+    jsonschema.validate(job, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+    assert [t["name"] for t in job["spec"]["tasks"]] == ["master"] and job["spec"]["minAvailable"] == 1
+
+
+def test_schema_check_is_real():
+    """The CRD schema rejects what the API server would: the checks above can fail."""
+    job = volcano_job(_spec())
+    job["spec"]["minAvailable"] = "4"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(job, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+    bad = kueue_job(_spec())
+    bad["spec"]["parallelism"] = "four"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S, strict=True)
+
+
+def test_reference_volcano_examples_pass_the_same_check():
+    for path in (REFERENCE / "volcano/examples").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "Job":
+                jsonschema.validate(doc, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+
+
+def test_kueue_job_is_a_valid_suspended_indexed_batch_job():
+    job = kueue_job(_spec(priority="critical"))
+    kubernetes_validate.validate(job, K8S, strict=True)
+    spec = job["spec"]
+    assert job["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "vision"
+    assert spec["suspend"] is True and spec["parallelism"] == spec["completions"] == 4
+    assert spec["completionMode"] == "Indexed"
+    pod = spec["template"]["spec"]
+    assert pod["priorityClassName"] == "hybridflow-critical" and pod["subdomain"] == job["metadata"]["name"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["WORLD_SIZE"]["value"] == "4" and env["MASTER_ADDR"]["value"].startswith(job["metadata"]["name"] + "-0.")
+    assert "valueFrom" in env["RANK"]
+
+
+def test_companion_objects_validate():
+    spec = _spec()
+    for obj in [rendezvous_service(spec), env_secret("train-r1-env", "hybridflow", {"AWS_SECRET_ACCESS_KEY": "x"},
+                                                   spec.name), *priority_classes()]:
+        kubernetes_validate.validate(obj, K8S, strict=True)
+
+
+def test_names_are_deterministic_dns_labels_that_differ_per_run_and_cluster():
+    a = gang_job_name("train_model", "manual__1", "train", "cloud-east", readable="train-R_1")
+    assert a == gang_job_name("train_model", "manual__1", "train", "cloud-east", readable="train-R_1")
+    assert a.startswith("train-r-1-")
+    others = {gang_job_name("train_model", "manual__2", "train", "cloud-east"),
+              gang_job_name("train_model", "manual__1", "train", "onprem-b"),
+              gang_job_name("train_model", "manual__1", "train2", "cloud-east")}
+    assert a not in others and len(others) == 3
+    long = gang_job_name("d" * 200, "r" * 200, "t", "c", readable="9" + "x" * 100)
+    assert len(long) <= 45 and long[0].isalpha()
+    for name in (a, long, *others):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}}, K8S)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("workers", 0), ("workers", -2), ("workers", 10**6), ("workers", 17), ("workers", True),
+    ("gpus_per_worker", 0), ("priority", "urgent"), ("image", ""), ("command", ()),
+    ("queue", "Team A"), ("max_retry", -1), ("name", "Train_Model"), ("namespace", "kube system"),
+    ("labels", {"team": "a b"}), ("env", {"1BAD": "x"}), ("env_secret", "Bad_Secret"),
+])
+def test_bad_specs_are_refused_naming_the_field(field, value):
+    with pytest.raises(ManifestError) as info:
+        volcano_job(dataclasses.replace(_spec(), **{field: value}))
+    assert info.value.field.split(".")[0] == field
+
+
+def test_unknown_scheduler_is_refused():
+    with pytest.raises(ManifestError, match="scheduler.*volcano or kueue"):
+        gang_manifest(_spec(), "slurm")
