@@ -71,6 +71,7 @@ class SimCluster:
         self.secrets: dict[tuple[str, str], dict] = {}
         self.services: dict[tuple[str, str], dict] = {}
         self.kueue_admits = True  # the LocalQueue's ClusterQueue has quota
+        self.on_read = None  # called before each job read: lets time pass between a watcher's polls
         self.calls: list[str] = []
         self._gen = 0
         self.core, self.batch, self.custom = FakeCoreV1Api(self), FakeBatchV1Api(self), FakeCustomObjectsApi(self)
@@ -269,6 +270,8 @@ class FakeCustomObjectsApi:
 
     def get_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
         self._check(group, version, plural)
+        if self.sim.on_read:
+            self.sim.on_read()
         if (namespace, name) not in self.sim.vcjobs:
             raise _not_found(name)
         return copy.deepcopy(self.sim.vcjobs[(namespace, name)])
@@ -298,6 +301,8 @@ class FakeBatchV1Api:
         return to_model(stored, "V1Job")
 
     def read_namespaced_job(self, name, namespace, **kwargs):
+        if self.sim.on_read:
+            self.sim.on_read()
         if (namespace, name) not in self.sim.jobs:
             raise _not_found(name)
         return to_model(self.sim.jobs[(namespace, name)], "V1Job")

@@ -1,0 +1,289 @@
+"""The Kubernetes gang backend: submit, re-attach, watch and delete one gang job on one cluster.
+
+Talks to the cluster only through the provider's ``KubernetesHook(conn_id=cluster.conn_id)`` and
+the clients it hands out (``custom_object_client`` for Volcano Jobs, ``batch_v1_client`` for
+Kueue-managed Jobs, ``core_v1_client`` for the companion Secret and Service), so the kubeconfig
+stays in the Airflow Connection.
+
+Re-runnable by construction: the job's name derives from the run (``gang_job_name``), and
+:meth:`KubernetesGangBackend.submit` first looks for a job of that name. An active or finished one
+is re-attached (a retried or cleared task never starts a second gang); a failed one is deleted
+and submitted afresh, since that is what a retry asks for.
+
+Same contract as the local backend where it matters to the train task: :meth:`run` blocks until
+the gang succeeded and raises ``GangNotAdmitted`` (after deleting the job: nothing keeps queueing
+on a cluster the run failed over from) or ``GangFailed``; :meth:`cancel` is for ``on_kill``. The
+deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger`,
+then :meth:`outcome` on its event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.backends.k8s.manifests import (
+    VOLCANO_GROUP,
+    VOLCANO_PLURAL,
+    VOLCANO_VERSION,
+    GangSpec,
+    env_secret,
+    gang_manifest,
+    rendezvous_service,
+)
+from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
+from hybridflow.config import Cluster
+from hybridflow.errors import GangError
+
+# The worker reads its job spec from a file: the pod writes it from the (non-secret) environment.
+SPEC_ENV = "HYBRIDFLOW_JOB_SPEC"
+DEFAULT_COMMAND = (
+    "sh", "-c",
+    f'printf "%s" "${SPEC_ENV}" > /tmp/job.json && exec python -m hybridflow.training.worker --spec /tmp/job.json',
+)
+
+PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
+    "pending", "running", "restarting", "succeeded", "failed", "missing")
+_VOLCANO_PHASES = {
+    "Pending": PENDING, "Running": RUNNING, "Completing": RUNNING, "Restarting": RESTARTING,
+    "Completed": SUCCEEDED, "Aborting": FAILED, "Aborted": FAILED, "Terminating": FAILED,
+    "Terminated": FAILED, "Failed": FAILED,
+}
+
+
+@dataclass(frozen=True)
+class GangStatus:
+    """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
+    restarting, succeeded, failed, missing."""
+
+    phase: str
+    message: str = ""
+    retries: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in (SUCCEEDED, FAILED, MISSING)
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "message": self.message, "retries": self.retries}
+
+
+@dataclass(frozen=True)
+class Submission:
+    name: str
+    namespace: str
+    created: bool  # False: a job of this name already existed and was re-attached
+    status: GangStatus
+
+
+def _status_code(exc: BaseException) -> int | None:
+    return getattr(exc, "status", None)
+
+
+def make_hook(conn_id: str) -> Any:
+    """The provider's hook for a cluster's Connection (imported late: DAG files stay light)."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+    return KubernetesHook(conn_id=conn_id)
+
+
+# --- status, shared with the trigger ------------------------------------------------------------
+
+
+def read_status(hook: Any, scheduler: str, namespace: str, name: str) -> GangStatus:
+    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job."""
+    try:
+        if scheduler == "volcano":
+            obj = hook.custom_object_client.get_namespaced_custom_object(
+                group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name)
+            return volcano_status(obj)
+        return kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace))
+    except Exception as exc:
+        if _status_code(exc) == 404:
+            return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
+        raise
+
+
+def volcano_status(obj: Mapping) -> GangStatus:
+    status = obj.get("status") or {}
+    state = status.get("state") or {}
+    phase = _VOLCANO_PHASES.get(state.get("phase") or "Pending", PENDING)
+    message = "; ".join(x for x in (state.get("reason"), state.get("message")) if x)
+    return GangStatus(phase, message, int(status.get("retryCount") or 0))
+
+
+def kueue_status(job: Any) -> GangStatus:
+    """A batch/v1 Job (the client's V1Job): suspended means Kueue has not admitted it (yet, or again)."""
+    status = job.status
+    conditions = {c.type: c for c in (status.conditions or []) if c.status == "True"} if status else {}
+    failed = int(status.failed or 0) if status else 0
+    if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
+        return GangStatus(SUCCEEDED, "", failed)
+    if "Failed" in conditions or "FailureTarget" in conditions:
+        cond = conditions.get("Failed") or conditions["FailureTarget"]
+        return GangStatus(FAILED, "; ".join(x for x in (cond.reason, cond.message) if x), failed)
+    if job.spec.suspend:
+        return GangStatus(PENDING, "suspended: waiting for Kueue to admit the workload", failed)
+    return GangStatus(RUNNING, f"{int(status.ready or 0) if status else 0} workers ready", failed)
+
+
+# --- the backend --------------------------------------------------------------------------------
+
+
+class KubernetesGangBackend:
+    """Gang jobs on one ``kubernetes`` cluster of the estate."""
+
+    def __init__(self, cluster: Cluster, *, image: str, command: tuple[str, ...] = DEFAULT_COMMAND,
+                 max_retry: int = 3, hook: Any = None) -> None:
+        if cluster.backend != "kubernetes":
+            raise GangError(f"cluster {cluster.name!r} uses backend {cluster.backend!r}; the Kubernetes backend "
+                            "needs clusters.<name>.backend: kubernetes")
+        if not cluster.conn_id or cluster.scheduler not in ("volcano", "kueue"):
+            raise GangError(f"cluster {cluster.name!r} needs conn_id and scheduler (volcano or kueue) in "
+                            "clusters.yaml for the Kubernetes backend")
+        self.cluster = cluster
+        self.namespace = cluster.k8s_namespace
+        self.scheduler = cluster.scheduler
+        self.image = image
+        self.command = tuple(command)
+        self.max_retry = max_retry
+        self._hook = hook
+
+    @property
+    def hook(self) -> Any:
+        if self._hook is None:
+            self._hook = make_hook(self.cluster.conn_id)
+        return self._hook
+
+    def gang_spec(self, job: GangJob, *, pool: str, queue: str, gpus_per_worker: int = 1) -> GangSpec:
+        """The manifest input for ``job`` (a GangJob as the train task builds it) on node pool ``pool``."""
+        labels = {k: v for k, v in job.labels.items() if k in ("project", "team", "interruptible")}
+        secret = f"{job.name}-env" if job.env else None
+        return GangSpec(
+            name=job.name, namespace=self.namespace, workers=job.workers, image=self.image, command=self.command,
+            pool=self.cluster.pool(pool), queue=queue, priority=job.priority, gpus_per_worker=gpus_per_worker,
+            max_retry=self.max_retry, labels=labels, env={SPEC_ENV: json.dumps(job.spec, sort_keys=True)},
+            env_secret=secret,
+        )
+
+    def status(self, name: str) -> GangStatus:
+        return read_status(self.hook, self.scheduler, self.namespace, name)
+
+    def submit(self, spec: GangSpec, secret_env: Mapping[str, str] | None = None) -> Submission:
+        """Create the gang job, or re-attach to the one this run created before."""
+        manifest = gang_manifest(spec, self.scheduler)  # validates spec before anything is sent
+        existing = self.status(spec.name)
+        replacing = existing.phase == FAILED
+        if replacing:
+            # A retry of a failed gang: start it again under the same name.
+            self.delete(spec.name)
+        elif existing.phase != MISSING:
+            return Submission(spec.name, self.namespace, False, existing)
+        if spec.env_secret:
+            self._put_secret(env_secret(spec.env_secret, self.namespace, secret_env or {}, spec.name))
+        try:
+            if self.scheduler == "volcano":
+                self.hook.create_custom_object(group=VOLCANO_GROUP, version=VOLCANO_VERSION, plural=VOLCANO_PLURAL,
+                                               body=manifest, namespace=self.namespace)
+            else:
+                self._create_ignoring_conflict(self.hook.core_v1_client.create_namespaced_service,
+                                               rendezvous_service(spec))
+                self.hook.batch_v1_client.create_namespaced_job(namespace=self.namespace, body=manifest)
+        except Exception as exc:
+            if _status_code(exc) != 409:
+                raise
+            if replacing:
+                raise GangError(f"gang {spec.name}: the failed job of that name is still being deleted on "
+                                f"{self.cluster.name}; retry the task in a few seconds") from exc
+            # Created concurrently by another try of the same task: attach to it.
+            return Submission(spec.name, self.namespace, False, self.status(spec.name))
+        return Submission(spec.name, self.namespace, True, GangStatus(PENDING))
+
+    def _create_ignoring_conflict(self, create: Callable[..., Any], body: dict) -> None:
+        try:
+            create(namespace=self.namespace, body=body)
+        except Exception as exc:
+            if _status_code(exc) != 409:
+                raise
+
+    def _put_secret(self, body: dict) -> None:
+        core = self.hook.core_v1_client
+        try:
+            core.create_namespaced_secret(namespace=self.namespace, body=body)
+        except Exception as exc:
+            if _status_code(exc) != 409:
+                raise
+            core.replace_namespaced_secret(name=body["metadata"]["name"], namespace=self.namespace, body=body)
+
+    def delete(self, name: str) -> bool:
+        """Delete the gang job with its pods, Secret and Service; True if the job existed."""
+        found = True
+        try:
+            if self.scheduler == "volcano":
+                self.hook.custom_object_client.delete_namespaced_custom_object(
+                    group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=self.namespace, plural=VOLCANO_PLURAL,
+                    name=name, propagation_policy="Background")
+            else:
+                # Without a propagation policy the API orphans a Job's pods: they would keep their GPUs.
+                self.hook.batch_v1_client.delete_namespaced_job(name=name, namespace=self.namespace,
+                                                                propagation_policy="Background")
+        except Exception as exc:
+            if _status_code(exc) != 404:
+                raise
+            found = False
+        core = self.hook.core_v1_client
+        for remove, obj in ((core.delete_namespaced_secret, f"{name}-env"), (core.delete_namespaced_service, name)):
+            try:
+                remove(name=obj, namespace=self.namespace)
+            except Exception as exc:
+                if _status_code(exc) != 404:
+                    raise
+        return found
+
+    cancel = delete  # on_kill
+
+    def outcome(self, name: str, status: GangStatus, *, admitted: bool) -> GangStatus:
+        """Turn a final reading into the train task's outcome: return on success, raise otherwise."""
+        if status.phase == SUCCEEDED:
+            return status
+        if status.phase == PENDING and not admitted:
+            self.delete(name)
+            raise GangNotAdmitted(
+                f"gang {name} was not admitted on cluster {self.cluster.name} ({self.scheduler} queue); the job "
+                "was deleted so the run can fail over to the next candidate", cluster=self.cluster.name)
+        raise GangFailed(f"gang {name} on cluster {self.cluster.name} ended {status.phase} after "
+                         f"{status.retries} restarts: {status.message or 'no reason given'}",
+                         rank=-1, exit_code=-1, log_tail=status.message)
+
+    def on_event(self, event: Mapping[str, Any]) -> GangStatus:
+        """``execute_complete``'s decision on a :class:`GangJobTrigger` event."""
+        if event.get("status") == "error" or not event.get("gang"):
+            raise GangError(f"{event.get('message')}; the gang job {event.get('name')} is left as it is, a retry "
+                            "re-attaches to it")
+        return self.outcome(event["name"], GangStatus(**event["gang"]), admitted=bool(event.get("admitted")))
+
+    def run(self, job: GangJob, *, pool: str, queue: str, secret_env: Mapping[str, str] | None = None,
+            admission_timeout_s: float, poll_s: float = 10.0, log: Any = None,
+            sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> GangStatus:
+        """Submit (or re-attach) and wait until the gang finished: the blocking form of the trigger."""
+        spec = self.gang_spec(job, pool=pool, queue=queue)
+        sub = self.submit(spec, secret_env if secret_env is not None else job.env)
+        if log is not None:
+            log.info("gang %s %s on %s (%s)", sub.name, "submitted" if sub.created else "re-attached",
+                     self.cluster.name, self.scheduler)
+        deadline = clock() + admission_timeout_s
+        status, admitted, seen_retries = sub.status, sub.status.phase not in (PENDING, MISSING), 0
+        while True:
+            if status.phase in (RUNNING, RESTARTING, SUCCEEDED, FAILED):
+                admitted = True
+            if status.retries > seen_retries and log is not None:
+                log.warning("gang %s restarted (%d of at most %d): %s", sub.name, status.retries, self.max_retry,
+                            status.message)
+            seen_retries = status.retries
+            if status.terminal or (status.phase == PENDING and not admitted and clock() >= deadline):
+                return self.outcome(sub.name, status, admitted=admitted)
+            sleep(poll_s)
+            status = self.status(sub.name)

@@ -1,0 +1,279 @@
+"""The Kubernetes gang backend's control loop against the stateful cluster simulator, through the
+provider's KubernetesHook and the same client calls a real API server answers: submit, gang
+admission (all or nothing), re-attach on retry, eviction -> restart, failure, on_kill deletion,
+and the deferrable trigger's events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from tests.unit.k8s_sim import SimCluster, install
+
+from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend
+from hybridflow.backends.k8s.manifests import GANG_LABEL, gang_job_name
+from hybridflow.backends.k8s.trigger import GangJobTrigger
+from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
+from hybridflow.config import Cluster
+from hybridflow.errors import GangError
+
+NS = "hybridflow"
+SECRET_ENV = {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"}
+
+
+def _cluster(scheduler: str) -> Cluster:
+    cluster = Cluster.model_validate({
+        "location": "public", "region": "us-east-1", "backend": "kubernetes", "conn_id": "k8s_east",
+        "scheduler": scheduler,
+        "node_pools": [
+            {"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
+             "node_labels": {"hybridflow.io/pool": "h100"}},
+            {"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 8,
+             "node_labels": {"hybridflow.io/pool": "a100"}},
+        ],
+        "prices": {"on_demand": 3.9},
+    })
+    cluster._name = "cloud-east"
+    return cluster
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    sim = SimCluster({
+        "h100-1": {"gpus": 4, "labels": {"hybridflow.io/pool": "h100"}},
+        "h100-2": {"gpus": 4, "labels": {"hybridflow.io/pool": "h100"}},
+        "a100-1": {"gpus": 8, "labels": {"hybridflow.io/pool": "a100"}},
+    })
+    install(monkeypatch, sim)
+    return sim
+
+
+def _job(workers: int, run_id: str = "manual__1", priority: str = "normal") -> GangJob:
+    name = gang_job_name("train_model", run_id, "train", "cloud-east", readable="train-r1")
+    return GangJob(name=name, workers=workers, spec={"run_key": "r1", "train_steps": 100}, env=SECRET_ENV,
+                   labels={"project": "digits", "team": "vision", "priority": priority})
+
+
+class Clock:
+    """Simulated time: each poll's sleep advances it and lets the cluster reconcile once."""
+
+    def __init__(self, sim: SimCluster, script: dict | None = None) -> None:
+        self.sim, self.now, self.ticks, self.script = sim, 0.0, 0, dict(script or {})
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.ticks += 1
+        self.sim.step()
+        if self.ticks in self.script:
+            self.script.pop(self.ticks)()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _backend(scheduler: str, **kw) -> KubernetesGangBackend:
+    return KubernetesGangBackend(_cluster(scheduler), image="ghcr.io/example/trainer:1.0", **kw)
+
+
+def _run(backend, job, clock, timeout_s: float = 60):
+    return backend.run(job, pool="h100", queue="vision", admission_timeout_s=timeout_s, poll_s=5,
+                       sleep=clock.sleep, clock=clock)
+
+
+def test_volcano_gang_is_submitted_admitted_together_and_succeeds(sim):
+    job = _job(8)
+    clock = Clock(sim, {3: lambda: sim.succeed(job.name)})
+    status = _run(_backend("volcano"), job, clock)
+    assert status.phase == SUCCEEDED and status.retries == 0
+    assert sim.calls.count(f"create vcjob {job.name}") == 1
+    stored = sim.vcjobs[(NS, job.name)]
+    assert stored["spec"]["minAvailable"] == 8 and stored["spec"]["queue"] == "vision"
+    pods = [p for p in sim.pods.values() if p["owner"][2] == job.name]
+    assert len(pods) == 8 and {p["node"] for p in pods} == {"h100-1", "h100-2"}  # the pool's nodes only
+    assert all(p["labels"][GANG_LABEL] == job.name for p in pods)
+    # Credentials went into a Secret, never into the job.
+    assert sim.secrets[(NS, f"{job.name}-env")]["stringData"] == SECRET_ENV
+    assert "s3cr3t-value" not in str(stored)
+
+
+def test_no_partial_start_when_the_pool_lacks_capacity(sim):
+    held = _job(4, run_id="other")
+    _backend("volcano").submit(_backend("volcano").gang_spec(held, pool="h100", queue="vision"), SECRET_ENV)
+    sim.run(2)  # the first gang holds one h100 node
+    job = _job(6)  # 6 > 4 free h100 GPUs (the a100 node is free but not in the pool)
+    clock = Clock(sim)
+    with pytest.raises(GangNotAdmitted) as info:
+        _run(_backend("volcano"), job, clock, timeout_s=30)
+    assert info.value.cluster == "cloud-east"
+    assert sim.pod_names(job.name) == []  # not one pod of the gang ever started
+    assert (NS, job.name) not in sim.vcjobs  # deleted, so it does not queue on behind the failover
+    assert clock.now >= 30 and len(sim.pod_names(held.name)) == 4
+
+
+def test_retry_reattaches_instead_of_creating_a_second_job(sim):
+    job = _job(4)
+    first = _backend("volcano")
+    sub = first.submit(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert sub.created and sub.status.phase == PENDING
+    sim.run(2)
+    # The worker running the task died; the retry (a fresh backend, same run) finds the job by name.
+    clock = Clock(sim, {2: lambda: sim.succeed(job.name)})
+    status = _run(_backend("volcano"), job, clock)
+    assert status.phase == SUCCEEDED
+    assert sim.calls.count(f"create vcjob {job.name}") == 1 and len(sim.vcjobs) == 1
+    again = _backend("volcano").submit(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert not again.created and again.status.phase == SUCCEEDED  # a cleared, finished task does not rerun
+
+
+def test_eviction_restarts_the_whole_gang_away_from_the_cordoned_node(sim):
+    job = _job(4)
+
+    def evict():
+        victim = next(p for p in sim.pods.values() if p["owner"][2] == job.name)
+        sim.nodes[victim["node"]]["unschedulable"] = True  # e.g. node health cordoned it
+        sim.evict_pod(victim["name"])
+
+    seen = []
+    clock = Clock(sim, {2: evict, 6: lambda: seen.extend(sim.pods.values()), 7: lambda: sim.succeed(job.name)})
+    status = _run(_backend("volcano"), job, clock)
+    assert status.phase == SUCCEEDED and status.retries == 1
+    restarted = [p for p in seen if p["owner"][2] == job.name]
+    assert len(restarted) == 4 and len({p["node"] for p in restarted}) == 1
+    assert not any(sim.nodes[p["node"]]["unschedulable"] for p in restarted)
+
+
+def test_failures_past_max_retry_fail_the_gang(sim):
+    job = _job(2)
+
+    def fail_one():
+        sim.fail_pod(sim.pod_names(job.name)[0])
+
+    clock = Clock(sim, {2: fail_one, 6: fail_one})
+    with pytest.raises(GangFailed, match="ended failed after 1 restarts: PodFailed"):
+        _run(_backend("volcano", max_retry=1), job, clock)
+    # The retry of the failed task starts the gang afresh under the same name.
+    backend = _backend("volcano", max_retry=1)
+    sub = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert sub.created and sim.vcjobs[(NS, job.name)]["status"]["retryCount"] == 0
+
+
+def test_on_kill_deletes_the_job_its_pods_and_secret(sim):
+    job = _job(4)
+    backend = _backend("volcano")
+    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    sim.run(2)
+    assert len(sim.pod_names(job.name)) == 4
+    assert backend.cancel(job.name) is True
+    assert not sim.vcjobs and sim.pod_names(job.name) == [] and not sim.secrets
+    assert backend.cancel(job.name) is False  # already gone: no error
+
+
+def test_kueue_job_stays_suspended_until_admitted_then_survives_an_eviction(sim):
+    job = _job(4, priority="critical")
+    sim.kueue_admits = False  # the ClusterQueue has no quota left for now
+
+    def admit():
+        assert sim.pod_names(job.name) == [] and sim.jobs[(NS, job.name)]["spec"]["suspend"] is True
+        sim.kueue_admits = True
+
+    def evict():
+        sim.evict_pod(sim.pod_names(job.name)[0])
+
+    clock = Clock(sim, {3: admit, 6: evict, 9: lambda: sim.succeed(job.name)})
+    backend = _backend("kueue")
+    status = _run(backend, job, clock)
+    assert status.phase == SUCCEEDED and status.retries == 0  # eviction did not count as a failure
+    stored = sim.jobs[(NS, job.name)]
+    assert stored["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "vision"
+    assert stored["spec"]["suspend"] is False and (NS, job.name) in sim.services
+    assert backend.cancel(job.name) and not sim.jobs and sim.pod_names(job.name) == [] and not sim.services
+
+
+def test_kueue_failures_past_backoff_limit_fail_the_gang(sim):
+    job = _job(2)
+    clock = Clock(sim, {3: lambda: sim.fail_pod(sim.pod_names(job.name)[0]),
+                        6: lambda: sim.fail_pod(sim.pod_names(job.name)[0])})
+    with pytest.raises(GangFailed, match="BackoffLimitExceeded"):
+        _run(_backend("kueue", max_retry=1), job, clock)
+
+
+def test_backend_refuses_a_cluster_it_cannot_drive():
+    local = Cluster.model_validate({"location": "private", "region": "dc", "node_pools": [
+        {"name": "p", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 1}], "prices": {"onprem": 1}})
+    with pytest.raises(GangError, match="backend: kubernetes"):
+        KubernetesGangBackend(local, image="x:1")
+
+
+# --- the trigger --------------------------------------------------------------------------------
+
+
+def _trigger(name: str, **kw) -> GangJobTrigger:
+    args = dict(conn_id="k8s_east", scheduler="volcano", namespace=NS, name=name, cluster="cloud-east",
+                submitted_at=time.time(), admission_timeout_s=60, poll_interval=0)
+    return GangJobTrigger(**{**args, **kw})
+
+
+async def _first_event(trigger: GangJobTrigger) -> dict:
+    gen = trigger.run()
+    try:
+        return (await asyncio.wait_for(gen.__anext__(), timeout=10)).payload
+    finally:
+        await gen.aclose()
+
+
+def test_trigger_serialize_round_trips():
+    trigger = _trigger("train-r1-abc", admitted=True, poll_interval=7.5)
+    path, kwargs = trigger.serialize()
+    module, _, cls = path.rpartition(".")
+    import importlib
+
+    rebuilt = getattr(importlib.import_module(module), cls)(**kwargs)
+    assert rebuilt.serialize() == (path, kwargs) and isinstance(rebuilt, GangJobTrigger)
+
+
+def test_trigger_waits_for_the_gang_and_reports_success(sim):
+    job = _job(4)
+    backend = _backend("volcano")
+    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    reads = []
+
+    def time_passes():
+        reads.append(1)
+        sim.step()
+        if len(reads) == 4:
+            sim.succeed(job.name)
+
+    sim.on_read = time_passes
+    event = asyncio.run(_first_event(_trigger(job.name)))
+    assert event["status"] == "success" and event["admitted"] and len(reads) >= 5
+    assert backend.on_event(event).phase == SUCCEEDED
+
+
+def test_trigger_not_admitted_after_the_deadline(sim):
+    job = _job(4)
+    sim.kueue_admits = False
+    backend = _backend("kueue")
+    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    event = asyncio.run(_first_event(_trigger(job.name, scheduler="kueue", submitted_at=time.time() - 120)))
+    assert event["status"] == "not_admitted" and not event["admitted"]
+    with pytest.raises(GangNotAdmitted):
+        backend.on_event(event)
+    assert not sim.jobs  # deleted on the way to failover
+
+
+def test_trigger_turns_api_errors_and_failures_into_events(sim):
+    def down():
+        raise ConnectionError("connection refused")
+
+    sim.on_read = down
+    event = asyncio.run(_first_event(_trigger("train-r1-abc")))
+    assert event["status"] == "error" and "connection refused" in event["message"]
+    with pytest.raises(GangError, match="re-attaches"):
+        _backend("volcano").on_event(event)
+    sim.on_read = None
+    gone = asyncio.run(_first_event(_trigger("no-such-job")))
+    assert gone["status"] == "failed" and gone["gang"]["phase"] == "missing"
+    with pytest.raises(GangFailed):
+        _backend("volcano").on_event(gone)
+
