@@ -1,0 +1,184 @@
+"""Serving on Kubernetes: the private inference pool as a Deployment behind a Service, with a canary.
+
+The Service selects every pod of the endpoint (``hybridflow.io/endpoint``); the stable and the
+canary Deployments differ only in ``hybridflow.io/track`` and version, so the canary's share of
+requests is its share of ready pods. Promote makes the canary's release the stable one (the stable
+Deployment rolls to it with surge, never dropping below its replica count) and removes the canary;
+rollback removes the canary and leaves the stable release serving throughout.
+
+Manifests are pure functions (validated in tests with kubernetes-validate); :class:`InferenceRollout`
+applies them through the provider's hook (``apps_v1_client`` / ``core_v1_client``), idempotently:
+a re-run replaces what is there instead of failing on AlreadyExists.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.config import NodePool
+from hybridflow.errors import DeploymentError
+
+ENDPOINT_LABEL = "hybridflow.io/endpoint"
+TRACK_LABEL = "hybridflow.io/track"
+VERSION_LABEL = "hybridflow.io/version"
+GPU_RESOURCE = "nvidia.com/gpu"
+MODELS_MOUNT = "/models"
+
+_DNS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_VERSION_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class InferencePool:
+    """Where an endpoint serves: namespace, node pool, replica count and the models volume."""
+
+    endpoint: str
+    namespace: str
+    pool: NodePool
+    models_claim: str  # PersistentVolumeClaim on private storage holding <version>/<variant>.pt
+    replicas: int = 2
+    port: int = 8080
+    gpus_per_replica: int = 1
+
+    def check(self) -> None:
+        for field, value in (("endpoint", self.endpoint), ("namespace", self.namespace),
+                             ("models_claim", self.models_claim)):
+            if not _DNS_RE.match(value or "") or len(value) > 50:
+                raise DeploymentError(f"{field}: {value!r} is not a DNS-1123 label of at most 50 characters")
+        if not 1 <= self.replicas <= 100:
+            raise DeploymentError(f"replicas: {self.replicas} must be in 1..100")
+        if not 1 <= self.port <= 65535:
+            raise DeploymentError(f"port: {self.port} must be in 1..65535")
+        if self.gpus_per_replica < 0:
+            raise DeploymentError(f"gpus_per_replica: {self.gpus_per_replica} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Release:
+    """One model version as served: image, version and quantised variant."""
+
+    version: str
+    variant: str
+    image: str
+
+    def check(self) -> None:
+        if not _VERSION_RE.match(self.version or ""):
+            raise DeploymentError(f"version: {self.version!r} must be a Kubernetes label value (e.g. v3)")
+        if self.variant not in ("int8", "fp16", "fp32"):
+            raise DeploymentError(f"variant: {self.variant!r} is not one of fp32, fp16, int8")
+        if not self.image or any(c.isspace() for c in self.image):
+            raise DeploymentError(f"image: {self.image!r} is not a container image reference")
+
+
+def _deployment(pool: InferencePool, release: Release, track: str, replicas: int) -> dict:
+    pool.check()
+    release.check()
+    name = pool.endpoint if track == "stable" else f"{pool.endpoint}-canary"
+    selector = {ENDPOINT_LABEL: pool.endpoint, TRACK_LABEL: track}
+    labels = {**selector, VERSION_LABEL: release.version}
+    container = {
+        "name": "server",
+        "image": release.image,
+        "command": ["python", "-m", "hybridflow.serving.server",
+                    "--model", f"{MODELS_MOUNT}/{release.version}/{release.variant}.pt",
+                    "--variant", release.variant, "--version", release.version, "--port", str(pool.port)],
+        "ports": [{"name": "http", "containerPort": pool.port}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "initialDelaySeconds": 30},
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
+    }
+    if pool.gpus_per_replica:
+        container["resources"] = {"limits": {GPU_RESOURCE: pool.gpus_per_replica}}
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": pool.models_claim, "readOnly": True}}],
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    if pool.pool.node_labels:
+        pod["nodeSelector"] = dict(sorted(pool.pool.node_labels.items()))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": pool.namespace, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            # Never fewer ready pods than asked: a new version comes up before an old one goes.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+
+
+def stable_deployment(pool: InferencePool, release: Release) -> dict:
+    return _deployment(pool, release, "stable", pool.replicas)
+
+
+def canary_replicas(pool: InferencePool, percent: int) -> int:
+    """Canary pods giving about ``percent`` of requests next to the stable replicas."""
+    if not 1 <= percent <= 50:
+        raise DeploymentError(f"canary_percent: {percent} must be in 1..50 (promote instead of a larger canary)")
+    return max(1, round(pool.replicas * percent / (100 - percent)))
+
+
+def canary_deployment(pool: InferencePool, release: Release, percent: int) -> dict:
+    return _deployment(pool, release, "canary", canary_replicas(pool, percent))
+
+
+def service(pool: InferencePool) -> dict:
+    """The endpoint's Service: both tracks behind one address."""
+    pool.check()
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": pool.endpoint, "namespace": pool.namespace, "labels": {ENDPOINT_LABEL: pool.endpoint}},
+        "spec": {"selector": {ENDPOINT_LABEL: pool.endpoint},
+                 "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+    }
+
+
+class InferenceRollout:
+    """Apply an endpoint's objects through the provider's hook: deploy, canary, promote, rollback."""
+
+    def __init__(self, hook: Any, pool: InferencePool) -> None:
+        self.hook, self.pool = hook, pool
+
+    def _apply(self, body: dict) -> None:
+        api = self.hook.apps_v1_client if body["kind"] == "Deployment" else self.hook.core_v1_client
+        kind = "deployment" if body["kind"] == "Deployment" else "service"
+        name, ns = body["metadata"]["name"], self.pool.namespace
+        try:
+            getattr(api, f"create_namespaced_{kind}")(namespace=ns, body=body)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 409:
+                raise
+            getattr(api, f"patch_namespaced_{kind}")(name=name, namespace=ns, body=body)
+
+    def _delete_canary(self) -> bool:
+        try:
+            self.hook.apps_v1_client.delete_namespaced_deployment(name=f"{self.pool.endpoint}-canary",
+                                                                  namespace=self.pool.namespace)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
+            return False
+        return True
+
+    def deploy(self, release: Release) -> None:
+        """Serve ``release`` as the stable track (first deployment, or a direct update)."""
+        self._apply(service(self.pool))
+        self._apply(stable_deployment(self.pool, release))
+
+    def canary(self, release: Release, percent: int = 10) -> None:
+        self._apply(canary_deployment(self.pool, release, percent))
+
+    def promote(self, release: Release) -> None:
+        """The canary's release becomes stable; then the canary goes."""
+        self._apply(stable_deployment(self.pool, release))
+        self._delete_canary()
+
+    def rollback(self) -> bool:
+        """Remove the canary; the stable release kept serving. True if there was a canary."""
+        return self._delete_canary()

@@ -1,0 +1,146 @@
+"""Serving on Kubernetes: Deployment + Service + canary manifests are valid Kubernetes objects, the
+Service sends traffic to both tracks, and deploy -> canary -> promote / rollback leaves the right
+objects behind (applied through KubernetesHook's clients, re-runnable)."""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from hybridflow.config import NodePool
+from hybridflow.errors import DeploymentError
+from hybridflow.serving.k8s import (
+    ENDPOINT_LABEL,
+    TRACK_LABEL,
+    InferencePool,
+    InferenceRollout,
+    Release,
+    canary_deployment,
+    canary_replicas,
+    service,
+    stable_deployment,
+)
+
+K8S = "1.33"
+POOL = InferencePool(endpoint="digits", namespace="serving", models_claim="private-models", replicas=4,
+                     pool=NodePool(name="l4", gpu_model="L4", gpu_memory_gib=24, gpus=8,
+                                   node_labels={"hybridflow.io/pool": "inference"}))
+V1, V2 = Release("v1", "int8", "ghcr.io/example/serve:1"), Release("v2", "fp16", "ghcr.io/example/serve:2")
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_manifests_are_valid_and_the_service_reaches_both_tracks():
+    stable, canary, svc = stable_deployment(POOL, V1), canary_deployment(POOL, V2, 20), service(POOL)
+    for obj in (stable, canary, svc):
+        kubernetes_validate.validate(obj, K8S, strict=True)
+    for dep in (stable, canary):
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert _matches(dep["spec"]["selector"]["matchLabels"], pod_labels)
+        assert _matches(svc["spec"]["selector"], pod_labels)
+    # The two Deployments never claim each other's pods.
+    assert not _matches(stable["spec"]["selector"]["matchLabels"], canary["spec"]["template"]["metadata"]["labels"])
+    pod = stable["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"hybridflow.io/pool": "inference"}
+    assert "/models/v1/int8.pt" in pod["containers"][0]["command"]
+    assert stable["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_canary_share_follows_its_replicas():
+    assert canary_replicas(POOL, 20) == 1 and canary_replicas(POOL, 50) == 4 and canary_replicas(POOL, 1) == 1
+    for bad in (0, 51, 100):
+        with pytest.raises(DeploymentError, match="canary_percent"):
+            canary_replicas(POOL, bad)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"version": "v 2"}, "version"), ({"variant": "int4"}, "variant"), ({"image": ""}, "image"),
+])
+def test_bad_releases_are_refused_naming_the_field(change, field):
+    with pytest.raises(DeploymentError, match=f"^{field}:"):
+        stable_deployment(POOL, Release(**{**V1.__dict__, **change}))
+
+
+def test_bad_pool_is_refused():
+    import dataclasses
+
+    with pytest.raises(DeploymentError, match="^replicas:"):
+        service(dataclasses.replace(POOL, replicas=0))
+    with pytest.raises(DeploymentError, match="^endpoint:"):
+        service(dataclasses.replace(POOL, endpoint="Digits_Model"))
+
+
+class _Store:
+    """AppsV1Api / CoreV1Api calls the rollout makes, over a dict of objects."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict] = {}
+
+    def _create(self, kind, namespace, body):
+        key = (kind, body["metadata"]["name"])
+        if key in self.objects:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.objects[key] = copy.deepcopy(body)
+
+    def _patch(self, kind, name, body):
+        if (kind, name) not in self.objects:
+            raise ApiException(status=404, reason="NotFound")
+        self.objects[(kind, name)] = copy.deepcopy(body)
+
+    def create_namespaced_deployment(self, namespace, body, **kw):
+        self._create("Deployment", namespace, body)
+
+    def patch_namespaced_deployment(self, name, namespace, body, **kw):
+        self._patch("Deployment", name, body)
+
+    def delete_namespaced_deployment(self, name, namespace, **kw):
+        if self.objects.pop(("Deployment", name), None) is None:
+            raise ApiException(status=404, reason="NotFound")
+
+    def create_namespaced_service(self, namespace, body, **kw):
+        self._create("Service", namespace, body)
+
+    def patch_namespaced_service(self, name, namespace, body, **kw):
+        self._patch("Service", name, body)
+
+
+@pytest.fixture
+def rollout(monkeypatch):
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+    store = _Store()
+    monkeypatch.setattr(KubernetesHook, "apps_v1_client", property(lambda self: store))
+    monkeypatch.setattr(KubernetesHook, "core_v1_client", property(lambda self: store))
+    return InferenceRollout(KubernetesHook(conn_id="k8s_private"), POOL), store
+
+
+def _versions(store) -> dict[str, str]:
+    return {name: obj["metadata"]["labels"]["hybridflow.io/version"]
+            for (kind, name), obj in store.objects.items() if kind == "Deployment"}
+
+
+def test_canary_then_promote(rollout):
+    ro, store = rollout
+    ro.deploy(V1)
+    ro.deploy(V1)  # re-run: replaced, not AlreadyExists
+    ro.canary(V2, percent=20)
+    assert _versions(store) == {"digits": "v1", "digits-canary": "v2"}
+    assert store.objects[("Deployment", "digits-canary")]["spec"]["template"]["metadata"]["labels"][TRACK_LABEL] == \
+        "canary"
+    ro.promote(V2)
+    assert _versions(store) == {"digits": "v2"}
+    assert store.objects[("Service", "digits")]["spec"]["selector"] == {ENDPOINT_LABEL: "digits"}
+
+
+def test_canary_then_rollback_keeps_stable(rollout):
+    ro, store = rollout
+    ro.deploy(V1)
+    ro.canary(V2, percent=10)
+    assert ro.rollback() is True
+    assert _versions(store) == {"digits": "v1"}
+    assert ro.rollback() is False  # nothing left to roll back: no error
