@@ -91,7 +91,7 @@ def test_volcano_gang_is_submitted_admitted_together_and_succeeds(sim):
     assert stored["spec"]["minAvailable"] == 8 and stored["spec"]["queue"] == "vision"
     pods = [p for p in sim.pods.values() if p["owner"][2] == job.name]
     assert len(pods) == 8 and {p["node"] for p in pods} == {"h100-1", "h100-2"}  # the pool's nodes only
-    assert all(p["labels"][GANG_LABEL] == job.name for p in pods)
+    assert all(p["labels"][GANG_LABEL] == job.name and p["labels"]["hybridflow.io/run-key"] == "r1" for p in pods)
     # Credentials went into a Secret, never into the job.
     assert sim.secrets[(NS, f"{job.name}-env")]["stringData"] == SECRET_ENV
     assert "s3cr3t-value" not in str(stored)

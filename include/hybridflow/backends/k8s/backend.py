@@ -161,6 +161,9 @@ class KubernetesGangBackend:
     def gang_spec(self, job: GangJob, *, pool: str, queue: str, gpus_per_worker: int = 1) -> GangSpec:
         """The manifest input for ``job`` (a GangJob as the train task builds it) on node pool ``pool``."""
         labels = {k: v for k, v in job.labels.items() if k in ("project", "team", "interruptible")}
+        if job.spec.get("run_key"):
+            # The job name may truncate the run key; metering can tie pods to the run by this label.
+            labels["run-key"] = str(job.spec["run_key"])
         secret = f"{job.name}-env" if job.env else None
         return GangSpec(
             name=job.name, namespace=self.namespace, workers=job.workers, image=self.image, command=self.command,
