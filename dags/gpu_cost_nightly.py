@@ -7,6 +7,9 @@ training attempt's GPU-hours and cost to its project, team, cluster, GPU model a
 utilisation-weighted effective GPU-hours, waste flags, GPU-hours lost to preemption and the idle cost of
 owned capacity billed to the teams whose guaranteed share it was.
 
+First, run records in private storage that the ledger does not hold yet (written before it, or while
+it was unreachable) are ingested (`hybridflow ledger sync` does the same by hand).
+
 Output: the `allocation` and `idle_allocation` tables of the ledger, CSV/Parquet files and an HTML report
 under `private/reports/allocation/<day>/` (*Browse → GPU costs & budgets*). Each run emits the
 `hybridflow://ledger/allocations` asset with extra `{"day": ...}`, which triggers `gpu_budgets`.
@@ -16,12 +19,14 @@ Safe to clear and re-run: a day's rows are replaced in one transaction, with ide
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 
 from airflow.sdk import Asset, Param, dag, get_current_context, task
 
 from hybridflow.budgets import ALLOCATIONS_ASSET
 
+log = logging.getLogger(__name__)
 default_args = {"owner": "ml-platform", "retries": 2, "retry_delay": timedelta(minutes=5)}
 # Named as budgets schedule on it; an "x-" URI scheme is left alone, so no provider URI handler (boto3
 # among them) is loaded at parse time.
@@ -43,6 +48,17 @@ allocations = Asset(name=ALLOCATIONS_ASSET, uri="x-" + ALLOCATIONS_ASSET)
     },
 )
 def gpu_cost_nightly():
+    @task
+    def sync_records() -> dict:
+        """Run records the ledger missed (written before it, or while it was unreachable) go in first."""
+        from hybridflow.ledger.sync import sync_run_records
+        from hybridflow.settings import get_settings
+
+        result = sync_run_records(get_settings().private_root)
+        if result.errors:  # the good ones are in; the bad ones are named in the log and the XCom
+            log.warning("run records not ingested: %s", result.errors)
+        return result.to_json()
+
     @task(outlets=[allocations])
     def allocate(params=None) -> dict:
         from hybridflow.ledger.nightly import allocate_for_run
@@ -53,7 +69,7 @@ def gpu_cost_nightly():
         context["outlet_events"][allocations].extra = {"day": summary["day"]}
         return summary
 
-    allocate()
+    sync_records() >> allocate()
 
 
 gpu_cost_nightly()

@@ -222,16 +222,31 @@ def cmd_budgets(args) -> int:
 
 
 def cmd_ledger(args) -> int:
-    from hybridflow.budgets.enforce import ledger_url
-    from hybridflow.ledger import upgrade
-    from hybridflow.settings import get_settings
-
-    url = args.url or ledger_url(get_settings().home)
-    upgrade(url)
     from sqlalchemy.engine import make_url
 
-    print(f"ledger at {make_url(url).render_as_string(hide_password=True)} is at the latest schema")
-    return 0
+    from hybridflow.ledger import upgrade
+    from hybridflow.ledger.engine import ledger_url
+    from hybridflow.settings import get_settings
+
+    settings = get_settings()
+    url = make_url(args.url or ledger_url(settings.home))
+    upgrade(url)
+    where = url.render_as_string(hide_password=True)
+    if args.action == "upgrade":
+        print(f"ledger at {where} is at the latest schema")
+        return 0
+    from sqlalchemy import create_engine
+
+    from hybridflow.ledger.sync import sync_run_records
+
+    engine = create_engine(url)
+    try:
+        result = sync_run_records(settings.private_root, engine=engine, project=args.project)
+    finally:
+        engine.dispose()
+    json.dump({"ledger": where, **result.to_json()}, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 1 if result.errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     budgets = sub.add_parser("budgets", help="each project's budget, spend and freeze for a month, as JSON")
     budgets.add_argument("--period", help="month as YYYY-MM (default: the current month)")
     budgets.set_defaults(func=cmd_budgets)
-    ledger = sub.add_parser("ledger", help="create or migrate the ledger database to the latest schema")
-    ledger.add_argument("action", choices=["upgrade"])
+    ledger = sub.add_parser("ledger", help="upgrade: create or migrate the ledger database to the latest schema; "
+                            "sync: ingest the run records in private storage (those written before, or missed)")
+    ledger.add_argument("action", choices=["upgrade", "sync"])
+    ledger.add_argument("--project", help="sync only this project's records")
     ledger.add_argument("--url", help="SQLAlchemy URL (default: HYBRIDFLOW_LEDGER_URL, else ledger/ledger.db under HYBRIDFLOW_HOME)")
     ledger.set_defaults(func=cmd_ledger)
     args = parser.parse_args(argv)

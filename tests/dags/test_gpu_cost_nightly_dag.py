@@ -1,5 +1,6 @@
-"""The gpu_cost_nightly DAG through Airflow (``dag.test``): a day is allocated into the ledger and
-private storage, the allocations asset gets an event naming the day, and a re-run gives the same rows."""
+"""The gpu_cost_nightly DAG through Airflow (``dag.test``): run records the ledger missed are synced in,
+a day is allocated into the ledger and private storage, the allocations asset gets an event naming the
+day, and a re-run gives the same rows."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ def test_gpu_cost_nightly_allocates_its_day_and_emits_the_asset(airflow_db, tmp_
     from airflow.dag_processing.dagbag import DagBag
     from tests.unit.test_ledger_runs import make_record
 
-    from hybridflow.ledger import ingest_run_record
-    from hybridflow.ledger.engine import default_engine
+    from hybridflow.records import write_record
     from hybridflow.settings import REPO_ROOT
 
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
-    ingest_run_record(make_record(), engine=default_engine())
+    # A run record written before the ledger existed: the DAG's first task brings it in.
+    write_record(tmp_path / "home" / "private", make_record())
     dag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "gpu_cost_nightly.py")).get_dag("gpu_cost_nightly")
     assert dag is not None
     ledger = create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")

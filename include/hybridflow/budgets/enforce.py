@@ -3,7 +3,6 @@ explicit override), and its running interruptible gangs checkpoint and stop."""
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -11,13 +10,7 @@ from hybridflow.budgets.config import load_budgets, period_of
 from hybridflow.budgets.store import BudgetStore
 from hybridflow.config import Estate
 from hybridflow.errors import AdmissionError
-
-LEDGER_URL_ENV = "HYBRIDFLOW_LEDGER_URL"
-
-
-def ledger_url(home: Path) -> str:
-    """The ledger database: ``HYBRIDFLOW_LEDGER_URL``, else SQLite under ``HYBRIDFLOW_HOME``."""
-    return os.environ.get(LEDGER_URL_ENV) or f"sqlite:///{Path(home) / 'ledger' / 'ledger.db'}"
+from hybridflow.ledger.engine import LEDGER_URL_ENV, ledger_url  # noqa: F401 (decided in one place)
 
 
 def default_store() -> BudgetStore | None:
