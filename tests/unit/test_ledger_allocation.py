@@ -140,3 +140,41 @@ def test_the_day_of_a_dag_run():
     assert day_to_allocate(None, None, None, run_after) == DAY  # manual run: yesterday
     with pytest.raises(ValueError, match="Param day: '2026-13-01' is not a date"):
         day_to_allocate("2026-13-01", None, None, run_after)
+
+
+def test_files_go_to_the_given_object_store_and_samples_are_read_in_place(ledger, tmp_path):
+    import shutil
+
+    from hybridflow.storage.objectstore import LocalObjectStore
+
+    engine, estate, private = ledger
+    allocate_day(DAY, engine=engine, estate=estate, private_root=private, as_of=DAY, report=False)
+    first = _rows(engine)
+    elsewhere = tmp_path / "parquet" / "day.parquet"  # e.g. a day already exported, or written by another tool
+    elsewhere.parent.mkdir()
+    shutil.copy(private / "ledger" / "samples" / f"{DAY}.parquet", elsewhere)
+    bucket = LocalObjectStore(tmp_path / "bucket")
+    summary = allocate_day(DAY, engine=engine, estate=estate, private_root=private, as_of=DAY,
+                           samples=[elsewhere], store=bucket)
+    assert _rows(engine) == first  # the same use from the same samples
+    prefix = f"reports/allocation/{DAY}/"
+    assert {o.key.removeprefix(prefix) for o in bucket.list(prefix)} == {
+        f"{n}.{ext}" for n in ("allocation", "idle", "attempts") for ext in ("csv", "parquet")} | {"report.html"}
+    assert summary["files"] == f"{bucket.uri}/{prefix}".rstrip("/")
+    page = bucket.get_bytes(prefix + "report.html").decode()
+    assert not any(tag in page for tag in ("<script", "<link", "<img", "src=", "@import"))  # nothing fetched
+    allocate_day(DAY, engine=engine, estate=estate, private_root=private, as_of=DAY, samples=[elsewhere], store=bucket)
+    assert bucket.get_bytes(prefix + "report.html").decode() == page  # a re-run writes the same page
+
+
+def test_a_range_of_days_in_one_pass_gives_what_the_nightly_gives_day_by_day(ledger):
+    from hybridflow.ledger.allocation import allocate_days
+
+    engine, estate, private = ledger
+    days = [DAY - timedelta(days=1), DAY]
+    for day in days:
+        allocate_day(day, engine=engine, estate=estate, private_root=private, as_of=DAY, report=False)
+    nightly = _rows(engine)
+    summaries = allocate_days(days, engine=engine, estate=estate, private_root=private, as_of=DAY, report=False)
+    assert _rows(engine) == nightly and [s["day"] for s in summaries] == ["2026-11-02", "2026-11-03"]
+    assert [s["samples"] for s in summaries] == [0, 240]

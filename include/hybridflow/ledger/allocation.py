@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import Engine, delete, insert, select
-from sqlalchemy.orm import Session
 
 from hybridflow.errors import HybridFlowError
 from hybridflow.ledger.models import Allocation, Attempt, IdleAllocation, Price, Run
+from hybridflow.storage.objectstore import LocalObjectStore, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ WASTE_MIN_GPUS = 4
 WASTE_MAX_UTIL_PCT = 10.0
 CATALOG_START = "1970-01-01"  # first catalog version: applies to every day before a price change
 PRICE_SOURCE = "config/clusters.yaml"
-REPORTS = Path("reports") / "allocation"  # under private storage; the cost UI reads <day>/report.html
+REPORTS = Path("reports") / "allocation"  # key prefix in the store; the cost UI reads <day>/report.html
 SAMPLE_EXPORTS = Path("ledger") / "samples"  # under private storage: <day>.parquet
 CONSERVATION_RTOL = 1e-9
 
@@ -97,50 +98,59 @@ def _price_row(conn, cluster: str, pclass: str, model: str, day: str):
     ).first()
 
 
-def _pricing_class(estate, run: Run, cluster_name: str) -> str:
+def _pricing_class(estate, row, cluster_name: str) -> str:
     """The run's class where it was placed; for a failover cluster, that cluster's class for the GPU model."""
-    if cluster_name == run.cluster and run.pricing_class:
-        return run.pricing_class
+    if cluster_name == row.run_cluster and row.pricing_class:
+        return row.pricing_class
     cluster = estate.clusters.get(cluster_name)
     if cluster is None:
-        raise AllocationError(f"attempt of run {run.run_key} ran on cluster {cluster_name!r}, which is not in "
+        raise AllocationError(f"attempt of run {row.run_key} ran on cluster {cluster_name!r}, which is not in "
                               "clusters.yaml; add it back (with its prices) to allocate this day")
-    pools = [p for p in cluster.node_pools if p.gpu_model == run.gpu_model] or cluster.node_pools
+    pools = [p for p in cluster.node_pools if p.gpu_model == row.gpu_model] or cluster.node_pools
     return cluster.pricing_class(pools[0])
 
 
-def attempt_costs(engine: Engine, estate, day: date, usage: dict[str, dict]) -> list[AttemptCost]:
+# What the allocation reads of an attempt and its run (Core rows: a day holds thousands of attempts).
+_ATTEMPT_COLUMNS = [Attempt.cluster, Attempt.started_at, Attempt.ended_at, Attempt.gpus, Attempt.outcome,
+                    Attempt.try_number, Attempt.label, Attempt.start_step, Attempt.last_step, Attempt.steps_lost,
+                    Run.run_key, Run.project, Run.team, Run.cluster.label("run_cluster"), Run.gpu_model,
+                    Run.pricing_class, Run.dag_id, Run.run_id]
+
+
+def attempt_costs(engine: Engine, estate, day: date, usage: dict[tuple[date, str], dict]) -> list[AttemptCost]:
+    """Every attempt that held GPUs during ``day``, priced; ``usage`` is keyed by (day, run_key)."""
     start = datetime.combine(day, datetime.min.time())
     end = start + timedelta(days=1)
     iso = day.isoformat()
     out = []
-    with Session(engine) as session:
-        pairs = session.execute(
-            select(Attempt, Run).join(Run, Run.run_key == Attempt.run_key)
+    with engine.connect() as conn:
+        pairs = conn.execute(
+            select(*_ATTEMPT_COLUMNS).join(Run, Run.run_key == Attempt.run_key)
             .where(Attempt.started_at < end, Attempt.ended_at > start)
             .order_by(Attempt.run_key, Attempt.seq)
-        ).tuples().all()
-        session.expunge_all()
-    with engine.connect() as conn:
-        for a, run in pairs:
-            cluster = a.cluster or run.cluster
-            if not cluster or not run.gpu_model:
-                raise AllocationError(f"run {run.run_key} has no cluster or GPU model in the ledger; re-ingest its "
+        ).all()
+        prices: dict[tuple, object] = {}  # one catalog look-up per (cluster, class, model) and day
+        for a in pairs:
+            cluster = a.cluster or a.run_cluster
+            if not cluster or not a.gpu_model:
+                raise AllocationError(f"run {a.run_key} has no cluster or GPU model in the ledger; re-ingest its "
                                       f"run record (the record step of its DAG run) before allocating {iso}")
-            pclass = _pricing_class(estate, run, cluster)
-            price = _price_row(conn, cluster, pclass, run.gpu_model, iso)
+            pclass = _pricing_class(estate, a, cluster)
+            if (cluster, pclass, a.gpu_model) not in prices:
+                prices[(cluster, pclass, a.gpu_model)] = _price_row(conn, cluster, pclass, a.gpu_model, iso)
+            price = prices[(cluster, pclass, a.gpu_model)]
             if price is None:
-                raise AllocationError(f"no {pclass} price for {run.gpu_model} on {cluster} on {iso}: add it to "
+                raise AllocationError(f"no {pclass} price for {a.gpu_model} on {cluster} on {iso}: add it to "
                                       f"clusters.{cluster}.prices in clusters.yaml")
             overlap = (min(a.ended_at, end) - max(a.started_at, start)).total_seconds()
             hours = a.gpus * overlap / 3600.0
-            util = (usage.get(run.run_key) or {}).get("mean_util_pct")
+            util = (usage.get((day, a.run_key)) or {}).get("mean_util_pct")
             ran = (a.last_step - a.start_step) if a.last_step is not None and a.start_step is not None else 0
             lost = hours * min(1.0, a.steps_lost / ran) if a.outcome == "preempted" and a.steps_lost and ran > 0 else 0.0
             out.append(AttemptCost(
-                day=iso, run_key=run.run_key, dag_id=run.dag_id, run_id=run.run_id, try_number=a.try_number,
-                attempt=a.label, outcome=a.outcome, project=run.project, team=run.team or "", cluster=cluster,
-                gpu_model=run.gpu_model, pricing_class=pclass, gpus=a.gpus, gpu_hours=hours,
+                day=iso, run_key=a.run_key, dag_id=a.dag_id, run_id=a.run_id, try_number=a.try_number,
+                attempt=a.label, outcome=a.outcome, project=a.project, team=a.team or "", cluster=cluster,
+                gpu_model=a.gpu_model, pricing_class=pclass, gpus=a.gpus, gpu_hours=hours,
                 usd_per_gpu_hour=price.usd_per_gpu_hour, cost_usd=hours * price.usd_per_gpu_hour,
                 mean_util_pct=util, effective_gpu_hours=None if util is None else hours * util / 100.0,
                 waste=util is not None and a.gpus >= WASTE_MIN_GPUS and util < WASTE_MAX_UTIL_PCT,
@@ -207,21 +217,49 @@ def idle_capacity(engine: Engine, estate, day: date, costs: list[AttemptCost]) -
 
 
 def allocate_day(day: date, *, engine: Engine | None = None, estate=None, private_root: Path | None = None,
-                 as_of: date | None = None, report: bool = True) -> dict:
-    """Allocate ``day`` into the ledger and private storage; returns a summary (for XCom)."""
+                 as_of: date | None = None, report: bool = True, samples: Sequence[Path] | None = None,
+                 store: ObjectStore | None = None) -> dict:
+    """Allocate ``day`` into the ledger and object storage; returns a summary (for XCom).
+
+    ``samples``: Parquet files holding the day's samples (EXPORT_COLUMNS), read in place; by default
+    the day's samples are exported from the ledger to private storage first. ``store``: where the
+    CSV/Parquet files and the report go (default: private storage, where the cost page reads them).
+    """
+    return allocate_days([day], engine=engine, estate=estate, private_root=private_root, as_of=as_of,
+                         report=report, samples=samples, store=store)[0]
+
+
+def allocate_days(days: Sequence[date], *, engine: Engine | None = None, estate=None,
+                  private_root: Path | None = None, as_of: date | None = None, report: bool = True,
+                  samples: Sequence[Path] | None = None, store: ObjectStore | None = None) -> list[dict]:
+    """Allocate each of ``days`` as allocate_day does, aggregating their samples in one DuckDB pass
+    (a backfill of a month reads its Parquet files once)."""
     from hybridflow.config import load_estate
     from hybridflow.ledger.engine import default_engine
-    from hybridflow.ledger.usage import export_day, usage_by_run
+    from hybridflow.ledger.usage import export_day, usage_by_day_and_run
     from hybridflow.settings import get_settings
 
     settings = get_settings()
     engine = engine or default_engine()
     estate = estate or load_estate(settings.config_dir)
     private_root = private_root or settings.private_root
+    store = store or LocalObjectStore(private_root)
     sync_prices(engine, estate, as_of or datetime.now(UTC).date())
-    export = private_root / SAMPLE_EXPORTS / f"{day.isoformat()}.parquet"
-    samples = export_day(engine, day, export)
-    costs = attempt_costs(engine, estate, day, usage_by_run([export]) if samples else {})
+    counts: dict[date, int | None] = dict.fromkeys(days)  # read in place: not counted
+    if samples is None:
+        samples = []
+        for day in days:
+            export = private_root / SAMPLE_EXPORTS / f"{day.isoformat()}.parquet"
+            counts[day] = export_day(engine, day, export)
+            if counts[day]:
+                samples.append(export)
+    usage = usage_by_day_and_run(samples)
+    return [_allocate(day, engine, estate, store, usage, counts[day], report) for day in days]
+
+
+def _allocate(day: date, engine: Engine, estate, store: ObjectStore, usage: dict, sample_count: int | None,
+              report: bool) -> dict:
+    costs = attempt_costs(engine, estate, day, usage)
     rows = group(costs)
     idle, capacity_cost, allocated_private = idle_capacity(engine, estate, day, costs)
     idle_cost = sum(r["cost_usd"] for r in idle)
@@ -235,30 +273,30 @@ def allocate_day(day: date, *, engine: Engine | None = None, estate=None, privat
             conn.execute(insert(Allocation), rows)
         if idle:
             conn.execute(insert(IdleAllocation), idle)
-    out_dir = private_root / REPORTS / day.isoformat()
-    write_files(out_dir, rows, idle, [asdict(c) for c in costs])
+    prefix = f"{REPORTS.as_posix()}/{day.isoformat()}"
+    write_files(store, prefix, rows, idle, [dict(vars(c)) for c in costs])
     if report:
-        from hybridflow.ledger.report import write_report
+        from hybridflow.ledger.report import REPORT_FILE, render_report
 
-        write_report(engine, day, out_dir, rows, idle, costs)
-    summary = {"day": day.isoformat(), "rows": len(rows), "attempts": len(costs), "samples": samples,
+        store.put_bytes(f"{prefix}/{REPORT_FILE}", render_report(engine, day, rows, idle, costs).encode("utf-8"))
+    summary = {"day": day.isoformat(), "rows": len(rows), "attempts": len(costs), "samples": sample_count,
                "cost_usd": round(sum(r["cost_usd"] for r in rows), 6), "idle_cost_usd": round(idle_cost, 6),
                "capacity_cost_usd": round(capacity_cost, 6), "conservation_error": error,
-               "waste_attempts": sum(c.waste for c in costs), "out_dir": str(out_dir)}
+               "waste_attempts": sum(c.waste for c in costs), "files": f"{store.uri.rstrip('/')}/{prefix}"}
     log.info("allocation %s", summary)
     return summary
 
 
-def write_files(out_dir: Path, rows: list[dict], idle: list[dict], attempts: list[dict]) -> None:
-    """CSV and Parquet of the day's allocation, idle capacity and per-attempt detail (atomic per file)."""
+def write_files(store: ObjectStore, prefix: str, rows: list[dict], idle: list[dict], attempts: list[dict]) -> None:
+    """CSV and Parquet of the day's allocation, idle capacity and per-attempt detail under ``prefix``
+    (each object replaced whole)."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     for name, data in (("allocation", rows), ("idle", idle), ("attempts", attempts)):
         table = pa.Table.from_pylist(data) if data else pa.table({})
         for suffix, write in ((".parquet", pq.write_table), (".csv", pacsv.write_csv)):
-            tmp = out_dir / f".{name}{suffix}.tmp"
-            write(table, tmp)
-            tmp.replace(out_dir / f"{name}{suffix}")
+            buf = pa.BufferOutputStream()
+            write(table, buf)
+            store.put_bytes(f"{prefix}/{name}{suffix}", buf.getvalue().to_pybytes())

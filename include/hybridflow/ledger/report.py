@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import io
 from datetime import date, timedelta
-from pathlib import Path
 
 from sqlalchemy import Engine, func, select
 
@@ -24,7 +23,8 @@ td.n { text-align: right; font-variant-numeric: tabular-nums; } .kpi { display: 
 
 def _svg(fig) -> str:
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
+    # No timestamp, fixed element ids: re-running a day writes the same page.
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]
 
@@ -47,6 +47,7 @@ def _charts(engine: Engine, day: date, rows: list[dict], costs) -> list[tuple[st
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "hybridflow-allocation"
     import matplotlib.pyplot as plt
 
     charts = []
@@ -93,7 +94,8 @@ def _table(headers: list[str], rows: list[list]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(engine: Engine, day: date, out_dir: Path, rows: list[dict], idle: list[dict], costs) -> Path:
+def render_report(engine: Engine, day: date, rows: list[dict], idle: list[dict], costs) -> str:
+    """The day's report page: self-contained (inline SVG and CSS, nothing fetched)."""
     allocated = sum(r["cost_usd"] for r in rows)
     idle_usd = sum(r["cost_usd"] for r in idle)
     effective = sum(r["effective_gpu_hours"] or 0.0 for r in rows)
@@ -122,8 +124,4 @@ def write_report(engine: Engine, day: date, out_dir: Path, rows: list[dict], idl
                         [[r["team"], r["cluster"], r["gpu_hours"], r["cost_usd"]] for r in idle]))
     parts.append("<p>Files: allocation.csv/.parquet, idle.csv/.parquet, attempts.csv/.parquet in this folder.</p>"
                  "</body></html>")
-    path = out_dir / REPORT_FILE
-    tmp = out_dir / f".{REPORT_FILE}.tmp"
-    tmp.write_text("".join(parts), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return "".join(parts)
