@@ -66,12 +66,17 @@ def budget_home(tmp_path, monkeypatch):
 
 
 def _allocate(engine, cost_usd: float) -> None:
-    """What the nightly allocation leaves in the ledger for today."""
+    """What the nightly allocation leaves in the ledger for today (the train task has already put the
+    run's attempts there, so the ledger's tables exist)."""
+    from hybridflow.ledger import upgrade
+
+    upgrade(engine)
     with engine.begin() as conn:
-        conn.execute(text("CREATE TABLE IF NOT EXISTS allocation (day DATE, project TEXT, cost_usd FLOAT)"))
         conn.execute(text("DELETE FROM allocation"))
-        conn.execute(text("INSERT INTO allocation VALUES (:d, 'digits-ocr', :c)"),
-                     {"d": NOW.date().isoformat(), "c": cost_usd})
+        conn.execute(text("INSERT INTO allocation (day, project, team, cluster, gpu_model, pricing_class, gpu_hours, "
+                          "cost_usd, waste, waste_gpu_hours, preempted_gpu_hours, attempts) "
+                          "VALUES (:d, 'digits-ocr', 'perception', 'onprem-a', 'A100-80GB', 'onprem', 1.0, :c, "
+                          "false, 0, 0, 1)"), {"d": NOW.date().isoformat(), "c": cost_usd})
 
 
 def _worker_pids(job_dir: Path) -> list[int]:
