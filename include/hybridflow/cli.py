@@ -237,6 +237,9 @@ def cmd_ledger(args) -> int:
         return 0
     from sqlalchemy import create_engine
 
+    if args.action == "prices":
+        return _import_prices(args, create_engine(url), settings)
+
     from hybridflow.ledger.sync import sync_run_records
 
     engine = create_engine(url)
@@ -247,6 +250,36 @@ def cmd_ledger(args) -> int:
     json.dump({"ledger": where, **result.to_json()}, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 1 if result.errors else 0
+
+
+def _import_prices(args, engine, settings) -> int:
+    from datetime import date
+
+    from hybridflow.config import load_estate
+    from hybridflow.ledger.prices import import_price_table
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("csv", "cluster", "provider", "valid_from") if not getattr(args, n)]
+    if missing:
+        print(f"hybridflow ledger prices needs {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        valid_from = date.fromisoformat(args.valid_from)
+    except ValueError:
+        print(f"--valid-from {args.valid_from!r} is not a date; use YYYY-MM-DD", file=sys.stderr)
+        return 2
+    from hybridflow.errors import ConfigError
+
+    try:
+        versions = import_price_table(engine, load_estate(settings.config_dir), args.csv, cluster=args.cluster,
+                                      provider=args.provider, region=args.region, valid_from=valid_from)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    json.dump(versions, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,9 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     budgets.add_argument("--period", help="month as YYYY-MM (default: the current month)")
     budgets.set_defaults(func=cmd_budgets)
     ledger = sub.add_parser("ledger", help="upgrade: create or migrate the ledger database to the latest schema; "
-                            "sync: ingest the run records in private storage (those written before, or missed)")
-    ledger.add_argument("action", choices=["upgrade", "sync"])
+                            "sync: ingest the run records in private storage (those written before, or missed); "
+                            "prices: add a price table's prices to the catalog")
+    ledger.add_argument("action", choices=["upgrade", "sync", "prices"])
     ledger.add_argument("--project", help="sync only this project's records")
+    ledger.add_argument("--csv", type=Path, help="prices: a price table (provider, region, gpu_model, "
+                        "gpu_memory_gb, pricing_tier, usd_per_gpu_hour, price_scope)")
+    ledger.add_argument("--cluster", help="prices: the public cluster whose on-demand and spot pools get them")
+    ledger.add_argument("--provider", help="prices: the table's provider for that cluster, e.g. aws")
+    ledger.add_argument("--region", help="prices: the table's region (default: the cluster's region)")
+    ledger.add_argument("--valid-from", help="prices: first day (YYYY-MM-DD) the prices apply")
     ledger.add_argument("--url", help="SQLAlchemy URL (default: HYBRIDFLOW_LEDGER_URL, else ledger/ledger.db under HYBRIDFLOW_HOME)")
     ledger.set_defaults(func=cmd_ledger)
     args = parser.parse_args(argv)

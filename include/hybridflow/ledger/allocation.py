@@ -71,7 +71,9 @@ def sync_prices(engine: Engine, estate, as_of: date) -> int:
     """Add a catalog version for each configured price that differs from the one in force; returns how many.
 
     The first version of a price applies from CATALOG_START; a changed one from ``as_of``, so days
-    allocated again later keep the price they had.
+    allocated again later keep the price they had. Only the configured versions are compared: a price
+    imported from a price table (hybridflow.ledger.prices) stays in force until the configured price
+    changes.
     """
     added = 0
     with engine.begin() as conn:
@@ -79,7 +81,7 @@ def sync_prices(engine: Engine, estate, as_of: date) -> int:
             for pool in cluster.node_pools:
                 pclass = cluster.pricing_class(pool)
                 usd = cluster.prices[pclass]
-                current = _price_row(conn, cluster.name, pclass, pool.gpu_model, as_of.isoformat())
+                current = _price_row(conn, cluster.name, pclass, pool.gpu_model, as_of.isoformat(), PRICE_SOURCE)
                 if current is not None and current.usd_per_gpu_hour == usd:
                     continue
                 valid_from = CATALOG_START if current is None else as_of.isoformat()
@@ -91,11 +93,12 @@ def sync_prices(engine: Engine, estate, as_of: date) -> int:
     return added
 
 
-def _price_row(conn, cluster: str, pclass: str, model: str, day: str):
-    return conn.execute(
-        select(Price).where(Price.cluster == cluster, Price.pricing_class == pclass, Price.gpu_model == model,
-                            Price.valid_from <= day).order_by(Price.valid_from.desc()).limit(1)
-    ).first()
+def _price_row(conn, cluster: str, pclass: str, model: str, day: str, source: str | None = None):
+    query = select(Price).where(Price.cluster == cluster, Price.pricing_class == pclass, Price.gpu_model == model,
+                                Price.valid_from <= day)
+    if source is not None:
+        query = query.where(Price.source == source)
+    return conn.execute(query.order_by(Price.valid_from.desc()).limit(1)).first()
 
 
 def _pricing_class(estate, row, cluster_name: str) -> str:
