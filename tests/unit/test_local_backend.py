@@ -198,6 +198,30 @@ def test_preexec_kills_child_if_parent_already_gone():
     assert child.wait(timeout=60) == -signal.SIGTERM
 
 
+@pytest.mark.parametrize("launcher_state", ["ignored", "blocked"])
+def test_preexec_death_signal_works_when_launcher_ignores_sigterm(launcher_state):
+    # A launcher started by a runner that ignores or blocks SIGTERM passes that on through exec.
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if launcher_state == "ignored":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            preexec_fn=_die_with_parent(os.getpid() + 10**6),
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        assert child.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 def test_terminate_escalates_to_sigkill(tmp_path):
     backend = LocalGangBackend(tmp_path, "c", 1, grace_s=0.5)
     stubborn = subprocess.Popen(

@@ -163,6 +163,10 @@ def _free_port() -> int:
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     def preexec() -> None:
+        # The launcher may run with SIGTERM ignored or blocked (a task runner's own signal
+        # handling); both survive exec and would make the worker deaf to its death signal.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
