@@ -70,6 +70,10 @@ class Cluster(_Model):
     conn_id: str | None = None  # kubernetes only: the Airflow Connection holding the kubeconfig
     scheduler: Literal["volcano", "kueue"] | None = None  # kubernetes only: the gang scheduler
     namespace: str | None = Field(default=None, min_length=1)  # kubernetes only (default "hybridflow")
+    # kubernetes only: the training image (hybridflow and torch installed) every gang worker runs.
+    image: str | None = Field(default=None, min_length=1)
+    # kubernetes only: PersistentVolumeClaim of the cluster's scratch filesystem, mounted at scratch_dir.
+    scratch_claim: str | None = Field(default=None, min_length=1)
     node_pools: list[NodePool] = Field(min_length=1)
     prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
     cache: CacheConfig | None = None
@@ -180,6 +184,10 @@ class TrainingSettings(_Model):
     # The train task relaunches a preempted gang itself this many times per task try (resuming from
     # the final checkpoint); application errors use the task's Airflow retries instead.
     preemption_retries: int = Field(default=3, ge=0)
+    # Kubernetes gangs: the train task waits in the triggerer (deferrable) rather than in a worker
+    # slot, polling the job this often.
+    kubernetes_deferrable: bool = True
+    kubernetes_poll_s: float = Field(default=15, gt=0, le=600)
 
 
 class AdmissionSettings(_Model):
@@ -519,8 +527,15 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
                     f"{at}.scheduler",
                     "backend kubernetes needs scheduler: volcano or kueue (gang scheduling)",
                 )
+            if not c.image:
+                bad(f"{at}.image", "backend kubernetes needs image: the training image its gang workers run")
+            if c.cache is None:
+                # Pods cannot reach this machine's private storage: data and checkpoints go through
+                # the cluster's own bucket (for a private cluster, object storage in its data centre).
+                bad(f"{at}.cache", "backend kubernetes needs cache: {conn_id, bucket}, the cluster's object "
+                    "storage its pods read staged data from and write checkpoints to")
         else:
-            for key in ("conn_id", "scheduler", "namespace"):
+            for key in ("conn_id", "scheduler", "namespace", "image", "scratch_claim"):
                 if getattr(c, key) is not None:
                     bad(
                         f"{at}.{key}",
@@ -583,9 +598,14 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
     problems: list[str] = []
     primary, replica = c.checkpoint_places
     for key, place in (("checkpoint_store", primary), ("checkpoint_replica", replica)):
-        if place == "cache" and c.cache is None:
+        if c.backend == "kubernetes" and place == "private":
+            problems.append(
+                f"{at}.{key}: the pods of a kubernetes cluster cannot reach private storage; use 'cache' "
+                "(the cluster's bucket) or 'scratch' (its scratch_claim volume)"
+            )
+        elif place == "cache" and c.cache is None:
             problems.append(f"{at}.{key}: 'cache' needs a cache: {{conn_id, bucket}}; add one or use 'private'")
-        elif place == "cache" and c.is_private:
+        elif place == "cache" and c.is_private and c.backend == "local":
             problems.append(
                 f"{at}.{key}: checkpoints of a private cluster may hold restricted data and never go to a "
                 "cloud cache; use 'private' or 'scratch'"
@@ -596,6 +616,19 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
             f"{at}.checkpoint_replica: {replica!r} is also checkpoint_store; the latest checkpoint is kept "
             f"in two different places: use one of {other}"
         )
+    if c.backend == "kubernetes" and "scratch" in (primary, replica):
+        if not c.scratch_claim:
+            problems.append(
+                f"{at}.scratch_claim: checkpoints on 'scratch' need the PersistentVolumeClaim of the "
+                "cluster's scratch filesystem; set scratch_claim or keep checkpoints in 'cache'"
+            )
+        if not (c.scratch_dir or "").startswith("/"):
+            problems.append(
+                f"{at}.scratch_dir: {c.scratch_dir!r} must be the absolute path scratch_claim is mounted at "
+                "in the gang's pods, e.g. /scratch"
+            )
+    elif c.backend == "kubernetes" and c.scratch_claim is not None:
+        problems.append(f"{at}.scratch_claim: only used when a checkpoint place is 'scratch'; remove it")
     if c.scratch_dir is not None and "scratch" not in (primary, replica):
         problems.append(
             f"{at}.scratch_dir: only used when checkpoint_store or checkpoint_replica is 'scratch'; "

@@ -154,7 +154,8 @@ def cache_store_spec(cluster, prefix: str = ""):
 
 
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    """Private cluster: train where the data lives. Public cluster: copy it to the cluster's cache."""
+    """Private local cluster: train where the data lives. Public or Kubernetes cluster: copy it to the
+    cluster's cache (a private Kubernetes cluster's pods read its own on-prem bucket)."""
     from hybridflow.datasets import resolve_dataset
     from hybridflow.staging import StagingSettings, index_path_for, stage_dataset
     from hybridflow.storage.objectstore import open_store
@@ -165,7 +166,7 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
     dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     estate = _estate(settings)
     cluster = estate.clusters[placement["cluster"]]
-    if cluster.location == "private":
+    if cluster.location == "private" and cluster.backend == "local":
         log.info("Cluster %s is private: the data is already there, nothing to stage.", placement["cluster"])
         return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False, "seconds": 0.0}
     spec = cache_store_spec(cluster)

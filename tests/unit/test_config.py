@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.unit.k8s_config import as_kubernetes
 
 from hybridflow.config import load_estate
 from hybridflow.errors import ConfigError
@@ -208,6 +209,33 @@ BROKEN = [
 ]
 
 
+def _k8s(**change) -> Callable[[dict], None]:
+    """onprem-a as a valid kubernetes cluster, then ``change`` (None removes a key)."""
+
+    def mutate(data: dict) -> None:
+        cluster = as_kubernetes(data["clusters"]["onprem-a"], conn_id="k8s_a", scheduler="volcano")
+        for key, value in change.items():
+            if value is None:
+                cluster.pop(key, None)
+            else:
+                cluster[key] = value
+
+    return mutate
+
+
+BROKEN += [
+    ("clusters.yaml", _k8s(image=None), ["clusters.onprem-a.image", "training image"]),
+    ("clusters.yaml", _k8s(cache=None, checkpoint_store="scratch", checkpoint_replica=None),
+     ["clusters.onprem-a.cache", "pods read staged data"]),
+    ("clusters.yaml", _k8s(checkpoint_replica="private"),
+     ["clusters.onprem-a.checkpoint_replica", "cannot reach private storage", "'scratch'"]),
+    ("clusters.yaml", _k8s(scratch_claim=None), ["clusters.onprem-a.scratch_claim", "PersistentVolumeClaim"]),
+    ("clusters.yaml", _k8s(scratch_dir="scratch/onprem-a"), ["clusters.onprem-a.scratch_dir", "absolute path"]),
+    ("clusters.yaml", _set(["clusters", "onprem-a", "image"], "trainer:1"),
+     ["clusters.onprem-a.image", "backend: kubernetes"]),
+]
+
+
 @pytest.mark.parametrize(("filename", "mutate", "expected"), BROKEN, ids=[b[2][0] for b in BROKEN])
 def test_broken_config_names_file_and_key(tmp_path: Path, filename: str, mutate, expected: list[str]) -> None:
     target = broken_copy(tmp_path, filename, mutate)
@@ -221,7 +249,7 @@ def test_broken_config_names_file_and_key(tmp_path: Path, filename: str, mutate,
 
 def test_kubernetes_backend_with_conn_and_scheduler_loads(tmp_path: Path) -> None:
     def mutate(data: dict) -> None:
-        data["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s_onprem_a", scheduler="kueue")
+        as_kubernetes(data["clusters"]["onprem-a"], conn_id="k8s_onprem_a", scheduler="kueue")
 
     estate = load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
     assert estate.clusters["onprem-a"].scheduler == "kueue"
@@ -230,7 +258,7 @@ def test_kubernetes_backend_with_conn_and_scheduler_loads(tmp_path: Path) -> Non
 
 def test_kubernetes_node_labels_are_checked(tmp_path: Path) -> None:
     def mutate(data: dict) -> None:
-        data["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s", scheduler="volcano")
+        as_kubernetes(data["clusters"]["onprem-a"], conn_id="k8s", scheduler="volcano")
         data["clusters"]["onprem-a"]["node_pools"][0]["node_labels"] = {"nvidia.com/gpu.product": "-bad-"}
 
     with pytest.raises(ConfigError, match=r"node_pools\[0\]\.node_labels\.nvidia\.com/gpu\.product"):

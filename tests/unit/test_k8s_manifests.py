@@ -100,6 +100,23 @@ def test_kueue_job_is_a_valid_suspended_indexed_batch_job():
     assert "valueFrom" in env["RANK"]
 
 
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_scratch_volume_is_mounted_in_every_worker(scheduler):
+    job = gang_manifest(_spec(volumes=(("scratch-fs", "/scratch"),)), scheduler)
+    if scheduler == "volcano":
+        jsonschema.validate(job, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+        templates = [t["template"] for t in job["spec"]["tasks"]]
+    else:
+        kubernetes_validate.validate(job, K8S, strict=True)
+        templates = [job["spec"]["template"]]
+    for template in templates:
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": template}, K8S, strict=True)
+        pod = template["spec"]
+        assert pod["volumes"] == [{"name": "vol-0", "persistentVolumeClaim": {"claimName": "scratch-fs"}}]
+        assert pod["containers"][0]["volumeMounts"] == [{"name": "vol-0", "mountPath": "/scratch"}]
+
+
 def test_companion_objects_validate():
     spec = _spec()
     for obj in [rendezvous_service(spec), env_secret("train-r1-env", "hybridflow", {"AWS_SECRET_ACCESS_KEY": "x"},
@@ -126,6 +143,7 @@ def test_names_are_deterministic_dns_labels_that_differ_per_run_and_cluster():
     ("gpus_per_worker", 0), ("priority", "urgent"), ("image", ""), ("command", ()),
     ("queue", "Team A"), ("max_retry", -1), ("name", "Train_Model"), ("namespace", "kube system"),
     ("labels", {"team": "a b"}), ("env", {"1BAD": "x"}), ("env_secret", "Bad_Secret"),
+    ("volumes", (("Scratch_FS", "/scratch"),)), ("volumes", (("scratch", "scratch"),)),
 ])
 def test_bad_specs_are_refused_naming_the_field(field, value):
     with pytest.raises(ManifestError) as info:

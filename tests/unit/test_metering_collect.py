@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.unit.k8s_config import as_kubernetes
 
 from hybridflow.config import MeteringSettings, load_estate
 from hybridflow.errors import ConfigError
@@ -50,7 +51,7 @@ def _config(tmp_path: Path, clusters_mutate=None, metering: dict | None = None) 
 
 
 def _to_kubernetes(data: dict) -> None:
-    data["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s_onprem_a", scheduler="kueue")
+    as_kubernetes(data["clusters"]["onprem-a"], conn_id="k8s_onprem_a", scheduler="kueue")
 
 
 @pytest.fixture

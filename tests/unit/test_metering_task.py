@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
+from tests.unit.k8s_config import as_kubernetes
 
 from hybridflow.backends import local as local_backend
 from hybridflow.backends.local import GangJob, LocalGangBackend
@@ -96,7 +97,7 @@ def test_a_cluster_with_every_exporter_down_fails_after_reporting_the_probes(hom
         for name in ("clusters.yaml", "projects.yaml"):
             (config / name).write_text((REPO_ROOT / "config" / name).read_text())
         clusters = yaml.safe_load((config / "clusters.yaml").read_text())
-        clusters["clusters"]["onprem-a"].update(backend="kubernetes", conn_id="k8s_a", scheduler="kueue")
+        as_kubernetes(clusters["clusters"]["onprem-a"], conn_id="k8s_a", scheduler="kueue")
         (config / "clusters.yaml").write_text(yaml.safe_dump(clusters))
         pipeline = yaml.safe_load((REPO_ROOT / "config" / "pipeline.yaml").read_text())
         pipeline["metering"].update(retries=0, connect_timeout_s=1,

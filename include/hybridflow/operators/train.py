@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from airflow.sdk import BaseOperator
 
@@ -43,11 +44,10 @@ class GangTrainOperator(BaseOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.admission import AdmittedRun
-        from hybridflow.backends.local import GangNotAdmitted
         from hybridflow.budgets.enforce import refuse_if_frozen
         from hybridflow.config import load_estate
         from hybridflow.errors import AdmissionError
-        from hybridflow.pipeline import current_placement, fail_over
+        from hybridflow.pipeline import current_placement
         from hybridflow.settings import get_settings
 
         settings = get_settings()
@@ -58,43 +58,64 @@ class GangTrainOperator(BaseOperator):
         except AdmissionError as exc:
             raise AirflowFailException(f"not started: {exc}") from exc
         placement, staged = current_placement(self.run, self.placement, self.staged, settings)
-        timeout = estate.pipeline.training.gang_admission_timeout_s
+        return self._train_with_failover(context, settings, estate, placement, staged)
+
+    def execute_complete(self, context, event: dict, placement: dict, staged: dict, attempt: dict,
+                         started: float) -> dict:
+        """Back from the triggerer: the Kubernetes gang finished, failed, or was not admitted in time."""
+        from hybridflow.backends.local import GangNotAdmitted
+        from hybridflow.config import load_estate
+        from hybridflow.settings import get_settings
+
+        settings = get_settings()
+        estate = load_estate(settings.config_dir)
+        job = self._job(context, settings, estate, placement, staged)
+        backend = self._kubernetes_backend(job.cluster, estate)
+        self._job_name, self._backend = event.get("name"), backend
+        try:
+            status = backend.on_event(event)
+        except GangNotAdmitted as exc:
+            self._end_attempt(job, attempt, "not_admitted")
+            placement, staged = self._fail_over(exc, placement, estate, settings)
+            return self._train_with_failover(context, settings, estate, placement, staged)
+        except BaseException as exc:
+            self._end_attempt_on_error(job, attempt, exc, estate)
+        attempts = self._end_attempt(job, attempt, "succeeded")
+        backend.delete_secret(self._job_name)
+        return self._bring_home(job, attempts, status.retries, started)
+
+    def _train_with_failover(self, context, settings, estate, placement: dict, staged: dict) -> dict:
+        from hybridflow.backends.local import GangNotAdmitted
+
         while True:
             try:
                 return self._train_on(context, settings, estate, placement, staged)
             except GangNotAdmitted as exc:
-                # Nothing started there: place the run on the next eligible candidate (recorded in
-                # placement.json); with none left, GangError fails this try and Airflow retries it.
-                if self._killed or exc.over_team_cap:
-                    raise  # the team's cap holds on every cluster: wait for the task's retry instead
-                self.log.warning("%s; failing over to the next placement candidate", exc)
-                placement, staged = fail_over(
-                    self.run, placement, exc.cluster, f"gang not admitted within {timeout:g} s", settings
-                )
-                self.log.warning("Failed over to cluster %s", placement["cluster"])
+                placement, staged = self._fail_over(exc, placement, estate, settings)
 
-    def _train_on(self, context, settings, estate, placement: dict, staged: dict) -> dict:
-        """Train on ``placement``'s cluster; GangNotAdmitted if its gang is not admitted in time."""
-        from airflow.sdk.exceptions import AirflowFailException
+    def _fail_over(self, exc, placement: dict, estate, settings) -> tuple[dict, dict]:
+        """Nothing started on ``placement``'s cluster: place the run on the next eligible candidate
+        (recorded in placement.json); with none left, GangError fails this try and Airflow retries it."""
+        from hybridflow.pipeline import fail_over
 
-        from hybridflow.admission import AdmittedRun
-        from hybridflow.backends.local import (
-            GangJob,
-            GangNotAdmitted,
-            GangPreempted,
-            GangStopped,
-            LocalGangBackend,
+        if self._killed or exc.over_team_cap:
+            raise exc  # the team's cap holds on every cluster: wait for the task's retry instead
+        timeout = estate.pipeline.training.gang_admission_timeout_s
+        self.log.warning("%s; failing over to the next placement candidate", exc)
+        placement, staged = fail_over(
+            self.run, placement, exc.cluster, f"gang not admitted within {timeout:g} s", settings
         )
-        from hybridflow.errors import GangError
-        from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
-        from hybridflow.storage.objectstore import open_store
+        self.log.warning("Failed over to cluster %s", placement["cluster"])
+        return placement, staged
 
-        identity = RunIdentity.from_context(context)
+    def _job(self, context, settings, estate, placement: dict, staged: dict) -> _TrainJob:
+        """What every gang of this run on ``placement``'s cluster is given, whatever its backend."""
+        from hybridflow.admission import AdmittedRun
+        from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
+
         admitted = AdmittedRun.from_xcom(dict(self.run))
         req = admitted.request
         cluster = estate.clusters[placement["cluster"]]
-        if cluster.backend != "local":
-            raise GangError(f"cluster {placement['cluster']!r} uses backend {cluster.backend!r}, not available here")
         run_key = self.run["run_key"]
         ckpt_spec = checkpoint_store_spec(run_key, cluster, settings)
         replica_spec = checkpoint_replica_spec(run_key, cluster, settings)
@@ -114,10 +135,39 @@ class GangTrainOperator(BaseOperator):
             "learning_rate": training_cfg.learning_rate,
             "keep": training_cfg.checkpoint_keep,
         }
-        # Staged data and cache checkpoints share the cluster's cache connection.
-        env = cache_store_spec(cluster).credential_env() if cluster.cache else {}
+        return _TrainJob(
+            identity=RunIdentity.from_context(context), admitted=admitted, placement=placement, cluster=cluster,
+            run_key=run_key, ckpt_spec=ckpt_spec, replica_spec=replica_spec, spec=spec,
+            # Staged data and cache checkpoints share the cluster's cache connection.
+            env=cache_store_spec(cluster).credential_env() if cluster.cache else {},
+            attempts_path=run_dir(settings.private_root, run_key) / "train-attempts.json",
+            labels={"project": req.project, "team": admitted.team, "priority": req.priority,
+                    "interruptible": str(req.interruptible).lower()},
+            log=self.log,
+        )
 
-        self._job_name = f"train-{run_key}"
+    def _train_on(self, context, settings, estate, placement: dict, staged: dict) -> dict:
+        """Train on ``placement``'s cluster; GangNotAdmitted if its gang is not admitted in time."""
+        job = self._job(context, settings, estate, placement, staged)
+        if job.cluster.backend == "kubernetes":
+            return self._train_on_kubernetes(job, estate)
+        return self._train_on_local(job, settings, estate)
+
+    def _train_on_local(self, job: _TrainJob, settings, estate) -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from hybridflow.backends.local import (
+            GangJob,
+            GangNotAdmitted,
+            GangPreempted,
+            GangStopped,
+            LocalGangBackend,
+        )
+
+        req = job.admitted.request
+        cluster = job.cluster
+        training_cfg = estate.pipeline.training
+        self._job_name = f"train-{job.run_key}"
         # The launcher's SIGTERM -> SIGKILL grace is the workers' time to commit a final checkpoint.
         admission_cfg = estate.pipeline.admission
         self._backend = LocalGangBackend(
@@ -125,39 +175,18 @@ class GangTrainOperator(BaseOperator):
             critical_preempts_batch=admission_cfg.critical_preempts_batch,
         )
         # Critical runs are never held by the team's cap (they may preempt batch work instead).
-        team_cap = None if req.priority == "critical" else estate.teams[admitted.team].gpu_cap
-        store = open_store(ckpt_spec)
-        places = [store, open_store(replica_spec)]
-        attempts_path = run_dir(settings.private_root, run_key) / "train-attempts.json"
+        team_cap = None if req.priority == "critical" else estate.teams[job.admitted.team].gpu_cap
         budget = training_cfg.preemption_retries
         preemptions = 0
-        started = time.monotonic()
+        started = time.time()
         while True:
-            label = f"try-{identity.try_number}" + (f"-relaunch-{preemptions}" if preemptions else "")
-            attempt = _start_attempt(
-                attempts_path,
-                identity.try_number,
-                label,
-                req.workers,
-                cluster.name,
-                progress_of=lambda earlier: _progress(places, earlier, self.log),
-            )
-            bill = {"run_key": run_key, "admitted": admitted, "identity": identity, "placement": placement,
-                    "log": self.log}
-            _note_in_ledger(_read_attempts(attempts_path), **bill)
+            label = f"try-{job.identity.try_number}" + (f"-relaunch-{preemptions}" if preemptions else "")
+            attempt = self._begin_attempt(job, label)
             outcome = "failed"
             try:
                 self._backend.run(
-                    GangJob(
-                        name=self._job_name,
-                        workers=req.workers,
-                        spec={**spec, "attempt": label},
-                        env=env,
-                        attempt=label,
-                        labels={"project": req.project, "team": admitted.team, "priority": req.priority,
-                                "interruptible": str(req.interruptible).lower()},
-                        team_cap=team_cap,
-                    ),
+                    GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label},
+                            env=job.env, attempt=label, labels=dict(job.labels), team_cap=team_cap),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
                     log=self.log,
                 )
@@ -169,7 +198,7 @@ class GangTrainOperator(BaseOperator):
                 # Stopped on purpose (budget freeze): checkpointed, and neither relaunched nor retried.
                 outcome = "stopped"
                 raise AirflowFailException(
-                    f"{exc.reason}. The newest checkpoint is kept in {ckpt_spec.uri}: clear the train task "
+                    f"{exc.reason}. The newest checkpoint is kept in {job.ckpt_spec.uri}: clear the train task "
                     "once the freeze is lifted to resume from it"
                 ) from exc
             except GangPreempted:
@@ -182,8 +211,7 @@ class GangTrainOperator(BaseOperator):
                     outcome = "interrupted"
                 raise
             finally:
-                attempts = _finish_attempt(attempts_path, attempt, outcome, _progress(places, label, self.log))
-                _note_in_ledger(attempts, **bill)
+                attempts = self._end_attempt(job, attempt, outcome)
             if outcome == "succeeded":
                 break
             preemptions += 1
@@ -192,9 +220,9 @@ class GangTrainOperator(BaseOperator):
                 raise AirflowFailException(
                     f"gang {self._job_name!r} was preempted {preemptions} times in this try, more than "
                     f"training.preemption_retries = {budget} (config/pipeline.yaml). Its newest checkpoint "
-                    f"(step {resume_at}) is kept in {ckpt_spec.uri} and {replica_spec.uri}: clear the train "
-                    "task to resume from it, raise training.preemption_retries, or run on capacity that is "
-                    "not reclaimed (spot_allowed=false)"
+                    f"(step {resume_at}) is kept in {job.ckpt_spec.uri} and {job.replica_spec.uri}: clear the "
+                    "train task to resume from it, raise training.preemption_retries, or run on capacity that "
+                    "is not reclaimed (spot_allowed=false)"
                 )
             self.log.warning(
                 "Gang %s was preempted (relaunch %d of at most %d); relaunching, it resumes from step %s",
@@ -203,9 +231,110 @@ class GangTrainOperator(BaseOperator):
                 budget,
                 resume_at,
             )
+        return self._bring_home(job, attempts, preemptions, started)
 
+    def _kubernetes_backend(self, cluster, estate):
+        from hybridflow.backends.k8s.backend import KubernetesGangBackend
+
+        # The scheduler restarts an evicted gang itself (resuming from its checkpoint) this many times.
+        return KubernetesGangBackend(cluster, image=cluster.image, max_retry=estate.pipeline.training.preemption_retries)
+
+    def _train_on_kubernetes(self, job: _TrainJob, estate) -> dict:
+        """Submit the gang (or re-attach to the one this run already has there) and wait for it, in
+        the triggerer when ``training.kubernetes_deferrable`` (no worker slot held for hours)."""
+        from hybridflow.backends.k8s.backend import MISSING, PENDING
+        from hybridflow.backends.k8s.manifests import gang_job_name
+        from hybridflow.backends.k8s.trigger import GangJobTrigger
+        from hybridflow.backends.local import GangJob, GangNotAdmitted
+
+        req = job.admitted.request
+        cfg = estate.pipeline.training
+        backend = self._kubernetes_backend(job.cluster, estate)
+        identity = job.identity
+        # Deterministic per run, task and cluster: a retry or a cleared task finds its job again.
+        self._job_name = gang_job_name(identity.dag_id, identity.run_id, self.task_id, job.cluster.name,
+                                       readable=f"train-{job.run_key}")
+        self._backend = backend
+        label = f"try-{identity.try_number}"
+        gang = GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label}, env=job.env,
+                       attempt=label, labels=dict(job.labels))
+        queue = estate.queue_of(job.admitted.team)
+        pool = job.placement["node_pool"]
+        started = time.time()
+        attempt = self._begin_attempt(job, label)
+        if cfg.kubernetes_deferrable:
+            try:
+                sub = backend.submit(backend.gang_spec(gang, pool=pool, queue=queue), gang.env)
+            except BaseException as exc:
+                self._end_attempt_on_error(job, attempt, exc, estate)
+            self.log.info("gang %s %s on %s (%s); waiting in the triggerer", sub.name,
+                          "submitted" if sub.created else "re-attached", job.cluster.name, job.cluster.scheduler)
+            self.defer(
+                trigger=GangJobTrigger(
+                    conn_id=job.cluster.conn_id, scheduler=job.cluster.scheduler, namespace=backend.namespace,
+                    name=sub.name, cluster=job.cluster.name, submitted_at=started,
+                    admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
+                    admitted=sub.status.phase not in (PENDING, MISSING),
+                ),
+                method_name="execute_complete",
+                kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
+                        "started": started},
+            )
+        try:
+            status = backend.run(gang, pool=pool, queue=queue, admission_timeout_s=cfg.gang_admission_timeout_s,
+                                 poll_s=cfg.kubernetes_poll_s, log=self.log)
+        except GangNotAdmitted:
+            self._end_attempt(job, attempt, "not_admitted")
+            raise
+        except BaseException as exc:
+            self._end_attempt_on_error(job, attempt, exc, estate)
+        attempts = self._end_attempt(job, attempt, "succeeded")
+        backend.delete_secret(self._job_name)  # the store credentials do not outlive the gang
+        return self._bring_home(job, attempts, status.retries, started)
+
+    def _end_attempt_on_error(self, job: _TrainJob, attempt: dict, exc: BaseException, estate) -> NoReturn:
+        """Record how a Kubernetes gang ended badly and raise: a gang stopped by a budget freeze
+        (deleted, so it ends failed or missing) fails the task without a retry, like a local one."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from hybridflow.backends.local import GangFailed
+        from hybridflow.budgets.enforce import refuse_if_frozen
+        from hybridflow.errors import AdmissionError
+
+        if isinstance(exc, GangFailed):
+            req = job.admitted.request
+            try:
+                refuse_if_frozen(req.project, req.priority, req.budget_override, estate)
+            except AdmissionError as frozen:
+                self._end_attempt(job, attempt, "stopped")
+                raise AirflowFailException(
+                    f"gang {self._job_name} stopped: {frozen}. The newest checkpoint is kept in "
+                    f"{job.ckpt_spec.uri}: clear the train task once the freeze is lifted to resume from it"
+                ) from exc
+        self._end_attempt(job, attempt, "interrupted" if self._killed else "failed")
+        raise exc
+
+    def _begin_attempt(self, job: _TrainJob, label: str) -> dict:
+        attempt = _start_attempt(job.attempts_path, job.identity.try_number, label, job.admitted.request.workers,
+                                 job.cluster.name, progress_of=lambda earlier: _progress(job.places(), earlier,
+                                                                                         self.log),
+                                 gang=self._job_name)
+        _note_in_ledger(_read_attempts(job.attempts_path), **job.bill())
+        return attempt
+
+    def _end_attempt(self, job: _TrainJob, attempt: dict, outcome: str) -> list[dict]:
+        attempts = _finish_attempt(job.attempts_path, attempt, outcome,
+                                   _progress(job.places(), attempt["attempt"], self.log))
+        _note_in_ledger(attempts, **job.bill())
+        return attempts
+
+    def _bring_home(self, job: _TrainJob, attempts: list[dict], preemptions: int, started: float) -> dict:
+        """The finished gang's model into the run's folder, and the task's summary for XCom."""
+        from hybridflow.storage.objectstore import open_store
+
+        store = open_store(job.ckpt_spec)
         summary = json.loads(store.get_bytes("result.json"))
-        model_path = run_dir(settings.private_root, run_key) / "model" / "model.pt"
+        model_path = job.attempts_path.parent / "model" / "model.pt"  # the run's folder in private storage
         model_path.parent.mkdir(parents=True, exist_ok=True)
         store.get_file("model/final.pt", model_path)
         gpu_seconds = sum(a["seconds"] * a["workers"] for a in attempts if a.get("seconds") is not None)
@@ -220,17 +349,17 @@ class GangTrainOperator(BaseOperator):
         )
         return {
             "job_name": self._job_name,
-            "cluster": cluster.name,
+            "cluster": job.cluster.name,
             "model_path": str(model_path),
-            "checkpoint_store": ckpt_spec.uri,
-            "checkpoint_replica": replica_spec.uri,
+            "checkpoint_store": job.ckpt_spec.uri,
+            "checkpoint_replica": job.replica_spec.uri,
             "checkpoints_written": summary["checkpoints_written"],
             "checkpoint_blocked_s_mean": (summary.get("checkpoints") or {}).get("blocked_s_mean"),
             "start_step": summary["start_step"],
             "final_step": summary["final_step"],
             "final_loss": summary.get("final_loss"),
             "preemptions": preemptions,
-            "seconds": round(time.monotonic() - started, 3),
+            "seconds": round(time.time() - started, 3),
             "gpu_seconds": round(gpu_seconds, 3),
             "attempts": attempts,
         }
@@ -239,6 +368,38 @@ class GangTrainOperator(BaseOperator):
         self._killed = True
         if self._backend is not None and self._job_name:
             self._backend.cancel(self._job_name)
+
+
+@dataclass(frozen=True)
+class _TrainJob:
+    """One run's training on one cluster: what its gangs are given and where their attempts are noted."""
+
+    identity: RunIdentity
+    admitted: Any
+    placement: dict
+    cluster: Any
+    run_key: str
+    ckpt_spec: Any
+    replica_spec: Any
+    spec: dict
+    env: dict
+    attempts_path: Path
+    labels: dict
+    log: Any
+
+    def places(self) -> list:
+        """The checkpoint places this task can read: a Kubernetes cluster's scratch volume is only
+        mounted in its pods."""
+        from hybridflow.storage.objectstore import open_store
+
+        specs = [self.ckpt_spec, self.replica_spec]
+        if self.cluster.backend == "kubernetes":
+            specs = [s for s in specs if s.kind != "local"]
+        return [open_store(s) for s in specs]
+
+    def bill(self) -> dict:
+        return {"run_key": self.run_key, "admitted": self.admitted, "identity": self.identity,
+                "placement": self.placement, "log": self.log}
 
 
 def _progress(places: list, label: str, log) -> dict:
@@ -303,6 +464,7 @@ def _start_attempt(
     workers: int,
     cluster: str,
     progress_of: Callable[[str], dict] | None = None,
+    gang: str | None = None,
 ) -> dict:
     """Note the attempt before the gang starts, so a killed try still counts its GPU time."""
     attempts = _read_attempts(path)
@@ -318,6 +480,8 @@ def _start_attempt(
         "attempt": label,
         "cluster": cluster,
         "workers": workers,
+        # The gang's job name: metering ties GPU samples of its pods to the run by it.
+        "gang": gang,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "seconds": None,
         "outcome": "running",

@@ -422,7 +422,10 @@ def _final_checkpoint_within_grace(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, type=Path, help="job.json written by the launcher")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec", type=Path, help="job.json written by the launcher")
+    # Kubernetes pods get the spec in their environment: no shell or writable file needed.
+    source.add_argument("--spec-env", metavar="NAME", help="environment variable holding the job spec JSON")
     args = parser.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -438,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     preemption = _Preemption()
     preemption.install()
     try:
-        spec = JobSpec.from_dict(json.loads(args.spec.read_text()))
+        raw = args.spec.read_text() if args.spec else os.environ.get(args.spec_env, "")
+        if not raw:
+            raise ValueError(f"the job spec variable {args.spec_env} is empty or not set")
+        spec = JobSpec.from_dict(json.loads(raw))
         log.info(
             "run %s: rank %d of %d, master %s:%s",
             spec.run_key,

@@ -38,12 +38,9 @@ from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
 from hybridflow.config import Cluster
 from hybridflow.errors import GangError
 
-# The worker reads its job spec from a file: the pod writes it from the (non-secret) environment.
+# The worker reads its job spec from the pod's (non-secret) environment.
 SPEC_ENV = "HYBRIDFLOW_JOB_SPEC"
-DEFAULT_COMMAND = (
-    "sh", "-c",
-    f'printf "%s" "${SPEC_ENV}" > /tmp/job.json && exec python -m hybridflow.training.worker --spec /tmp/job.json',
-)
+DEFAULT_COMMAND = ("python", "-m", "hybridflow.training.worker", "--spec-env", SPEC_ENV)
 
 PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
     "pending", "running", "restarting", "succeeded", "failed", "missing")
@@ -170,6 +167,7 @@ class KubernetesGangBackend:
             pool=self.cluster.pool(pool), queue=queue, priority=job.priority, gpus_per_worker=gpus_per_worker,
             max_retry=self.max_retry, labels=labels, env={SPEC_ENV: json.dumps(job.spec, sort_keys=True)},
             env_secret=secret,
+            volumes=((self.cluster.scratch_claim, self.cluster.scratch_dir),) if self.cluster.scratch_claim else (),
         )
 
     def status(self, name: str) -> GangStatus:
@@ -220,6 +218,15 @@ class KubernetesGangBackend:
             if _status_code(exc) != 409:
                 raise
             core.replace_namespaced_secret(name=body["metadata"]["name"], namespace=self.namespace, body=body)
+
+    def delete_secret(self, name: str) -> None:
+        """Remove the gang's Secret (store credentials) once it no longer needs it; the job stays
+        for its status and logs."""
+        try:
+            self.hook.core_v1_client.delete_namespaced_secret(name=f"{name}-env", namespace=self.namespace)
+        except Exception as exc:
+            if _status_code(exc) != 404:
+                raise
 
     def delete(self, name: str) -> bool:
         """Delete the gang job with its pods, Secret and Service; True if the job existed."""

@@ -75,6 +75,8 @@ class GangSpec:
     labels: Mapping[str, str] = field(default_factory=dict)  # project, team, ... (hybridflow.io/<key>)
     env: Mapping[str, str] = field(default_factory=dict)  # non-secret environment of every worker
     env_secret: str | None = None  # Secret holding the secret environment (envFrom)
+    # PersistentVolumeClaims mounted in every worker: (claim name, absolute mount path).
+    volumes: tuple[tuple[str, str], ...] = ()
 
     def check(self) -> None:
         """Refuse specs Kubernetes would reject (or that could never be admitted), naming the field."""
@@ -110,6 +112,11 @@ class GangSpec:
         for key in self.env:
             if not _ENV_NAME_RE.match(key):
                 raise ManifestError(f"env.{key}", "is not a valid environment variable name")
+        for i, (claim, mount) in enumerate(self.volumes):
+            if not _DNS_LABEL_RE.match(claim or ""):
+                raise ManifestError(f"volumes.{i}.claim", f"{claim!r} is not a valid PersistentVolumeClaim name")
+            if not str(mount).startswith("/"):
+                raise ManifestError(f"volumes.{i}.mount", f"{mount!r} must be an absolute path")
         if self.env_secret is not None and not _DNS_LABEL_RE.match(self.env_secret):
             raise ManifestError("env_secret", f"{self.env_secret!r} is not a valid Secret name")
 
@@ -133,6 +140,8 @@ def _container(spec: GangSpec, env: list[dict]) -> dict:
     }
     if spec.env_secret:
         container["envFrom"] = [{"secretRef": {"name": spec.env_secret}}]
+    if spec.volumes:
+        container["volumeMounts"] = [{"name": f"vol-{i}", "mountPath": mount} for i, (_, mount) in enumerate(spec.volumes)]
     return container
 
 
@@ -144,6 +153,9 @@ def _pod_spec(spec: GangSpec, env: list[dict]) -> dict:
         # GPU nodes are commonly tainted so only GPU work lands there.
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
     }
+    if spec.volumes:
+        pod["volumes"] = [{"name": f"vol-{i}", "persistentVolumeClaim": {"claimName": claim}}
+                          for i, (claim, _) in enumerate(spec.volumes)]
     if spec.pool.node_labels:
         pod["nodeSelector"] = dict(sorted(spec.pool.node_labels.items()))
     return pod

@@ -1,0 +1,196 @@
+"""The train task on a Kubernetes cluster: the real gang (DDP workers) runs as the pods of a
+Volcano or Kueue job in the cluster simulator, whose kubelet starts each Running pod's container
+command as a process; staged data and checkpoints go through the cluster's S3 bucket (rclone on
+loopback) and its scratch volume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from hybridflow.datasets import seed_digits
+from hybridflow.devenv.rclone import airflow_conn_uri
+from hybridflow.settings import REPO_ROOT
+from hybridflow.storage.s3 import S3ObjectStore
+from tests.unit.k8s_config import as_kubernetes
+from tests.unit.k8s_kubelet import Kubelet
+from tests.unit.k8s_sim import SimCluster, install
+
+pytestmark = pytest.mark.s3
+CLUSTER = "k8s-dc2"
+
+
+@pytest.fixture
+def estate(tmp_path, monkeypatch, rclone_s3, request):
+    """Shipped config plus k8s-dc2, a cheaper private Kubernetes cluster (2 nodes x 2 A100)."""
+    scheduler, deferrable = request.param
+    endpoint, access, secret, _ = rclone_s3
+    bucket = f"hf-dc2-{uuid.uuid4().hex[:8]}"
+    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    home, config = tmp_path / "home", tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", config)
+    clusters = yaml.safe_load((config / "clusters.yaml").read_text())
+    dc2 = json.loads(json.dumps(clusters["clusters"]["onprem-a"]))
+    dc2["prices"]["onprem"] = 0.80
+    dc2["node_pools"][0]["node_labels"] = {"hybridflow.io/pool": "a100"}
+    as_kubernetes(dc2, conn_id="k8s_dc2", scheduler=scheduler, cache={"conn_id": "k8s_dc2_store", "bucket": bucket})
+    dc2["scratch_dir"] = str(tmp_path / "scratch-volume")
+    clusters["clusters"][CLUSTER] = dc2
+    (config / "clusters.yaml").write_text(yaml.safe_dump(clusters, sort_keys=False))
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["training"].update(gang_admission_timeout_s=2, preemption_grace_s=10, kubernetes_poll_s=0.2,
+                                kubernetes_deferrable=deferrable)
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2_STORE", airflow_conn_uri(access, secret, endpoint))
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2", "kubernetes://")
+    seed_digits(home / "private")
+    sim = SimCluster({f"gpu-{i}": {"gpus": 2, "labels": {"hybridflow.io/pool": "a100"}} for i in (1, 2)})
+    install(monkeypatch, sim)
+    kubelet = Kubelet(sim, tmp_path)
+    sim.on_read = kubelet.step  # each poll of the job lets the cluster and its pods move on
+    try:
+        yield SimpleNamespace(home=home, sim=sim, kubelet=kubelet, scheduler=scheduler, bucket=bucket, deferrals=0,
+                              deferrable=deferrable,
+                              store=S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access,
+                                                  secret_key=secret),
+                              scratch=Path(dc2["scratch_dir"]))
+    finally:
+        kubelet.stop()
+
+
+def _train_task(name: str, try_number: int = 1, **params):
+    from hybridflow import pipeline
+    from hybridflow.operators.train import GangTrainOperator
+    from hybridflow.runs import RunIdentity
+
+    identity = RunIdentity("hybrid_training", f"manual__{name}", try_number)
+    run = pipeline.admit({"cluster_preference": "private", "workers": 2, "train_steps": 40,
+                          "checkpoint_every_steps": 20, **params}, identity)
+    placement = pipeline.choose_cluster(run)
+    staged = pipeline.stage_data(run, placement)
+    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
+    context = {
+        "dag": SimpleNamespace(dag_id=identity.dag_id),
+        "run_id": identity.run_id,
+        "ti": SimpleNamespace(try_number=try_number),
+        "dag_run": SimpleNamespace(triggering_user_name="test"),
+    }
+    return run, placement, staged, op, context
+
+
+def _execute(op, context, env) -> dict:
+    """execute, and when it defers: the trigger's event, then execute_complete on a fresh operator
+    (as the worker that resumes the task would), as often as it defers."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    try:
+        return op.execute(context)
+    except TaskDeferred as deferred:
+        env.deferrals += 1
+        event = asyncio.run(_first_event(deferred.trigger))
+        resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
+        return _complete(resumed, context, deferred, event, env)
+
+
+def _complete(op, context, deferred, event, env) -> dict:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    try:
+        return getattr(op, deferred.method_name)(context, event=event.payload, **deferred.kwargs)
+    except TaskDeferred as again:
+        env.deferrals += 1
+        return _complete(op, context, again, asyncio.run(_first_event(again.trigger)), env)
+
+
+async def _first_event(trigger):
+    async for event in trigger.run():
+        return event
+    raise AssertionError("the trigger ended without an event")
+
+
+def _creates(sim) -> list[str]:
+    return [c for c in sim.calls if c.startswith(("create vcjob", "create job"))]
+
+
+ALL = [("volcano", False), ("kueue", False), ("volcano", True), ("kueue", True)]
+
+
+@pytest.mark.parametrize("estate", ALL, indirect=True, ids=[f"{s}-{'deferred' if d else 'blocking'}" for s, d in ALL])
+def test_gang_trains_on_kubernetes_and_a_retry_reattaches(estate) -> None:
+    run, placement, staged, op, context = _train_task("k8s")
+    assert placement["cluster"] == CLUSTER
+    # The private Kubernetes cluster's pods read the data from the cluster's own bucket.
+    assert staged["staged"] and staged["source"]["store"]["bucket"] == estate.bucket
+    result = _execute(op, context, estate)
+    assert estate.deferrals == int(estate.deferrable)  # the wait was the triggerer's, not a worker's
+    logs = estate.kubelet.logs()
+    assert result["cluster"] == CLUSTER and result["final_step"] == 40, logs
+    assert result["checkpoints_written"] >= 2 and Path(result["model_path"]).stat().st_size > 0
+    [created] = _creates(estate.sim)
+    job = created.split()[-1]
+    assert job.startswith("train-") and len(estate.kubelet.started) == 2  # one pod per worker, once
+    # Checkpoints in the bucket (primary) and on the scratch volume the pods mount (replica).
+    assert any(estate.store.list(f"checkpoints/{run['run_key']}/"))
+    assert list((estate.scratch / "checkpoints" / run["run_key"]).rglob("*"))
+    assert not estate.sim.secrets, "the store credentials outlived the gang"
+    attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
+    assert [(a["cluster"], a["outcome"], a["gang"]) for a in attempts] == [(CLUSTER, "succeeded", job)]
+
+    # Cleared and run again: the same job is found, nothing is submitted or trained twice.
+    _, _, _, op2, context2 = _train_task("k8s", try_number=2)
+    again = _execute(op2, context2, estate)
+    assert again["final_step"] == 40 and _creates(estate.sim) == [created]
+    assert len(estate.kubelet.started) == 2
+
+
+@pytest.mark.parametrize("estate", [("volcano", True), ("kueue", False)], indirect=True,
+                         ids=["volcano-deferred", "kueue-blocking"])
+def test_gang_not_admitted_on_kubernetes_fails_over_and_leaves_nothing_queued(estate) -> None:
+    for node in estate.sim.nodes.values():
+        node["unschedulable"] = True  # cordoned: the gang can never be admitted
+    estate.sim.kueue_admits = False
+    run, placement, _, op, context = _train_task("k8s-full")
+    assert placement["cluster"] == CLUSTER
+    result = _execute(op, context, estate)
+    assert result["cluster"] == "onprem-a" and result["final_step"] == 40
+    assert not estate.sim.vcjobs and not estate.sim.jobs and not estate.sim.pods and not estate.sim.secrets
+    recorded = json.loads((estate.home / "private" / "runs" / run["run_key"] / "placement.json").read_text())
+    assert recorded["failovers"] == [{"cluster": CLUSTER, "reason": "gang not admitted within 2 s"}]
+
+
+@pytest.mark.parametrize("estate", [("volcano", False)], indirect=True, ids=["volcano-blocking"])
+def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(estate) -> None:
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    from hybridflow import pipeline
+    from hybridflow.settings import get_settings
+
+    run, placement, _, op, context = _train_task("k8s-evict", train_steps=400, checkpoint_every_steps=20)
+
+    ckpt = CheckpointStore(open_store(pipeline.checkpoint_store_spec(
+        run["run_key"], pipeline._estate(get_settings()).clusters[CLUSTER], get_settings())))
+    evicted = []
+
+    def step() -> None:
+        estate.kubelet.step()
+        if not evicted and ckpt.committed_steps():
+            master = next(p["name"] for p in estate.sim.pods.values() if "-master-" in p["name"])
+            estate.sim.evict_pod(master)
+            evicted.append(master)
+
+    estate.sim.on_read = step
+    result = _execute(op, context, estate)
+    assert evicted, "the gang finished before its first checkpoint was seen"
+    assert result["preemptions"] == 1 and result["final_step"] == 400
+    assert result["start_step"] >= 20  # the restarted gang resumed, it did not start again at 0
+    assert len(estate.kubelet.started) == 4 and len(_creates(estate.sim)) == 1

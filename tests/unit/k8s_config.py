@@ -1,0 +1,16 @@
+"""Turning a cluster of the shipped config into a valid kubernetes cluster, for tests."""
+
+from __future__ import annotations
+
+
+def as_kubernetes(cluster: dict, *, conn_id: str, scheduler: str, **extra) -> dict:
+    """Update ``cluster`` (a clusters.yaml entry) in place with what backend kubernetes needs: an
+    image, the cluster's bucket, and checkpoint places its pods can reach."""
+    cluster.update({
+        "backend": "kubernetes", "conn_id": conn_id, "scheduler": scheduler,
+        "image": "registry.local/hybridflow-train:1",
+        "cache": cluster.get("cache") or {"conn_id": f"{conn_id}_store", "bucket": "hf-cluster-store"},
+        "checkpoint_store": "cache", "checkpoint_replica": "scratch", "scratch_dir": "/scratch",
+        "scratch_claim": "scratch", **extra,
+    })
+    return cluster
