@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -21,6 +22,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.metering.collect import (
     Endpoint,
     attribute,
+    known_gangs,
     node_findings,
     read_cluster,
     run_key_of,
@@ -207,3 +209,25 @@ def test_samples_are_attributed_to_the_run_whose_gang_holds_the_gpu():
     samples = parse_metrics(page, cluster="c", ts=END)
     got = attribute(samples, runs, namespaces={"hybridflow"})
     assert got == {samples[0].key(): "hybrid_training__manual_1", samples[1].key(): "hybrid_training__manual_10"}
+
+
+def test_kubernetes_gang_pods_are_attributed_by_the_job_name_the_run_recorded(tmp_path):
+    # A Kubernetes job name is a DNS label from the run ("train-hybrid-training-manual-1-<hash>"),
+    # not train-<run_key>: the train task records it in the run's attempts.
+    run_folder = tmp_path / "runs" / "hybrid_training__manual_1"
+    run_folder.mkdir(parents=True)
+    (run_folder / "train-attempts.json").write_text(json.dumps(
+        [{"attempt": "try-1", "gang": "train-hybrid-training-manual-1-0a1b2c3d4e"}]))
+    (tmp_path / "runs" / "half-written").mkdir()
+    (tmp_path / "runs" / "half-written" / "train-attempts.json").write_text("[{")
+    gangs = known_gangs(tmp_path)
+    assert gangs == {"train-hybrid-training-manual-1-0a1b2c3d4e": "hybrid_training__manual_1"}
+    page = (
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-0",Hostname="n",pod="train-hybrid-training-manual-1-0a1b2c3d4e-master-0",namespace="hybridflow"} 90\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-1",Hostname="n",pod="train-hybrid-training-manual-1-0a1b2c3d4e-1-x7k2q",namespace="hybridflow"} 90\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="2",UUID="GPU-2",Hostname="n",pod="train-hybrid-training-manual-1-0a1b2c3d4e-1-x7k2q",namespace="elsewhere"} 90\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="3",UUID="GPU-3",Hostname="n",pod="train-hybrid-training-manual-1-ffffffffff-master-0",namespace="hybridflow"} 90\n'
+    )
+    samples = parse_metrics(page, cluster="c", ts=END)
+    got = attribute(samples, {"hybrid_training__manual_1": "vision"}, namespaces={"hybridflow"}, gangs=gangs)
+    assert got == {samples[0].key(): "hybrid_training__manual_1", samples[1].key(): "hybrid_training__manual_1"}

@@ -10,6 +10,7 @@ recording today's values under an old time; Prometheus sources read the window i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -169,6 +170,30 @@ def run_key_of(pod: str | None, run_keys: Iterable[str]) -> str | None:
     return max(matches, key=len) if matches else None
 
 
+def gang_owner(pod: str | None, gangs: Mapping[str, str]) -> str | None:
+    """The run of the Kubernetes gang job the pod belongs to (``<job>-master-0``, ``<job>-3-x7k2q``):
+    ``gangs`` maps job name -> run key; the longest matching job name wins."""
+    if not pod:
+        return None
+    matches = [g for g in gangs if pod == g or pod.startswith(f"{g}-")]
+    return gangs[max(matches, key=len)] if matches else None
+
+
+def known_gangs(private_root: Path) -> dict[str, str]:
+    """Gang job name -> run key, from the runs' training attempts: a Kubernetes job's name is a
+    DNS label derived from the run, not ``train-<run_key>`` itself."""
+    gangs: dict[str, str] = {}
+    for path in (private_root / "runs").glob("*/train-attempts.json"):
+        try:
+            attempts = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being rewritten: the next collection sees it
+        for attempt in attempts:
+            if attempt.get("gang"):
+                gangs[attempt["gang"]] = path.parent.name
+    return gangs
+
+
 def known_runs(private_root: Path) -> dict[str, str | None]:
     """Run key -> project of the runs on record (finished) and in progress (a run folder, no
     record yet: project unknown)."""
@@ -181,14 +206,16 @@ def known_runs(private_root: Path) -> dict[str, str | None]:
 
 
 def attribute(samples: Iterable[GpuSample], runs: Mapping[str, str | None],
-              namespaces: Iterable[str] = ()) -> dict[tuple, str]:
+              namespaces: Iterable[str] = (), gangs: Mapping[str, str] | None = None) -> dict[tuple, str]:
     """Sample key -> run key, for samples whose pod is a run's gang. ``runs`` maps run key ->
-    project (None while unknown); the pod's namespace must be unset, the run's project (local
-    stand-in) or one of ``namespaces`` (the Kubernetes clusters' gang namespaces)."""
+    project (None while unknown), ``gangs`` Kubernetes gang job name -> run key; the pod's
+    namespace must be unset, the run's project (local stand-in) or one of ``namespaces`` (the
+    Kubernetes clusters' gang namespaces)."""
     allowed = set(namespaces)
+    gangs = {g: k for g, k in (gangs or {}).items() if k in runs}
     out = {}
     for s in samples:
-        key = run_key_of(s.pod, runs)
+        key = run_key_of(s.pod, runs) or gang_owner(s.pod, gangs)
         if key is not None and (s.namespace is None or runs[key] in (None, s.namespace) or s.namespace in allowed):
             out[s.key()] = key
     return out

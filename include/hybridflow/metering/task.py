@@ -12,6 +12,7 @@ from hybridflow.metering.collect import (
     Endpoint,
     NodeFinding,
     attribute,
+    known_gangs,
     known_runs,
     read_cluster,
 )
@@ -83,7 +84,8 @@ def meter_cluster(cluster_name: str, *, window_start: datetime, window_end: date
         return summary
     store, report = sinks or default_sinks()
     namespaces = {c.k8s_namespace for c in estate.clusters.values() if c.backend == "kubernetes"}
-    owners = attribute(reading.samples, known_runs(settings.private_root), namespaces)
+    owners = attribute(reading.samples, known_runs(settings.private_root), namespaces,
+                       known_gangs(settings.private_root))
     summary["attributed"] = len(owners)
     summary["stored"] = store(reading.samples, owners)
     report(reading.findings)
