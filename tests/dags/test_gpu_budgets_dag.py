@@ -39,15 +39,19 @@ def test_gpu_budgets_run_records_the_months_state_and_notifies_once(airflow_db, 
     from airflow.dag_processing.dagbag import DagBag
 
     from hybridflow.budgets.store import BudgetStore
+    from hybridflow.ledger import upgrade
     from hybridflow.settings import REPO_ROOT
 
     now = datetime.now(UTC)
     period = f"{now.year:04d}-{now.month:02d}"
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     engine = create_engine(url)
+    upgrade(engine)  # as the nightly allocation leaves the ledger
     with engine.begin() as conn:
-        conn.execute(text("CREATE TABLE allocation (day DATE, project TEXT, cost_usd FLOAT)"))
-        conn.execute(text("INSERT INTO allocation VALUES (:d, 'ranking', 7000.0)"), {"d": now.date().isoformat()})
+        conn.execute(text("INSERT INTO allocation (day, project, team, cluster, gpu_model, pricing_class, gpu_hours, "
+                          "cost_usd, waste, waste_gpu_hours, preempted_gpu_hours, attempts) VALUES (:d, 'ranking', "
+                          "'t', 'onprem-a', 'A100-80GB', 'onprem', 1, 7000.0, false, 0, 0, 1)"),
+                     {"d": now.date().isoformat()})
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     server.received = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)

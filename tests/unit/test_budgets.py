@@ -11,14 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, inspect
 
 from hybridflow.admission import admit
 from hybridflow.budgets.config import load_budgets, period_end, period_of
 from hybridflow.budgets.enforce import refuse_if_frozen
 from hybridflow.budgets.evaluate import evaluate_period
 from hybridflow.budgets.notifier import BudgetWebhookNotifier
-from hybridflow.budgets.store import BudgetStore, metadata
+from hybridflow.budgets.store import BudgetStore
 from hybridflow.config import load_estate
 from hybridflow.errors import AdmissionError, ConfigError
 from hybridflow.settings import REPO_ROOT
@@ -36,9 +36,9 @@ def config_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def store(tmp_path: Path) -> BudgetStore:
-    engine = create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
-    metadata.create_all(engine)
-    return BudgetStore(engine)
+    store = BudgetStore(create_engine(f"sqlite:///{tmp_path / 'ledger.db'}"))
+    store.ensure_schema()
+    return store
 
 
 def _write_budgets(config_dir: Path, body: str) -> None:
@@ -258,20 +258,23 @@ def test_nightly_evaluation_reads_the_months_allocation_from_the_ledger(webhook,
     from sqlalchemy import text
 
     from hybridflow.budgets.nightly import evaluate_budgets, period_to_evaluate
-    from hybridflow.budgets.spend import ALLOCATION_TABLE
+    from hybridflow.ledger import upgrade
     from hybridflow.settings import Settings
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", url)
-    engine = create_engine(url)  # the budget tables are created by the first evaluation
+    engine = create_engine(url)
+    upgrade(engine, "0001")  # a ledger from before the budget tables: the first evaluation migrates it
     rows = [  # November does not count against December; ranking stays under 80 %
         ("2026-11-30", "digits-ocr", 9000.0), ("2026-12-01", "digits-ocr", 12000.0),
         ("2026-12-19", "digits-ocr", 9000.0), ("2026-12-19", "ranking", 100.0),
     ]
     with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {ALLOCATION_TABLE} (day DATE, project TEXT, cost_usd FLOAT)"))
         for day, project, cost in rows:
-            conn.execute(text(f"INSERT INTO {ALLOCATION_TABLE} VALUES (:d, :p, :c)"), {"d": day, "p": project, "c": cost})
+            conn.execute(text("INSERT INTO allocation (day, project, team, cluster, gpu_model, pricing_class, "
+                              "gpu_hours, cost_usd, waste, waste_gpu_hours, preempted_gpu_hours, attempts) "
+                              "VALUES (:d, :p, 't', 'onprem-a', 'A100-80GB', 'onprem', 1, :c, false, 0, 0, 1)"),
+                         {"d": day, "p": project, "c": cost})
 
     class Event:
         extra = {"day": "2026-12-19"}
@@ -293,16 +296,19 @@ def test_nightly_evaluation_without_an_allocation_table_says_what_to_run(tmp_pat
     from hybridflow.budgets.spend import LedgerError
     from hybridflow.settings import Settings
 
-    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
+    db = tmp_path / "ledger.db"
+    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{db}")
     with pytest.raises(LedgerError, match="has no 'allocation' table: run the nightly allocation"):
         evaluate_budgets(PERIOD, Settings(home=tmp_path, config_dir=REPO_ROOT / "config"), at=AT)
+    assert inspect(create_engine(f"sqlite:///{db}")).get_table_names() == []  # not made a ledger
 
 
 def test_admit_passes_while_the_ledger_has_no_budget_tables_yet(tmp_path):
     estate = load_estate(REPO_ROOT / "config")
+    from hybridflow.ledger import upgrade
+
     engine = create_engine(f"sqlite:///{tmp_path / 'fresh-ledger.db'}")
-    with engine.begin() as conn:  # a ledger the allocation created, before any budget evaluation
-        conn.exec_driver_sql("CREATE TABLE allocation (day DATE, project TEXT, cost_usd FLOAT)")
+    upgrade(engine, "0001")  # a ledger from before the budget tables (admit never migrates it)
     refuse_if_frozen("digits-ocr", "normal", "", estate, store=BudgetStore(engine), today=date(2026, 12, 21))
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from tests.unit.ledger_db import PG_SCHEMA, ledger_engine, postgres_engine  # noqa: F401 (fixture)
+from tests.unit.ledger_db import PG_SCHEMA, PG_URL, ledger_engine, postgres_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import ATTEMPTS, make_record
 
 from hybridflow.errors import ConfigError
@@ -93,12 +93,13 @@ def test_the_connection_reaches_postgresql_in_its_own_schema(tmp_path, monkeypat
     from hybridflow.ledger import upgrade
 
     postgres_engine().dispose()  # a fresh schema, or skip when the server is not there
+    pg = make_url(PG_URL)
     monkeypatch.delenv("HYBRIDFLOW_LEDGER_URL", raising=False)
     monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_LEDGER", json.dumps({
-        "conn_type": "postgres", "host": "127.0.0.1", "port": 5432, "login": "postgres", "schema": "test",
+        "conn_type": "postgres", "host": pg.host, "port": pg.port, "login": pg.username, "schema": pg.database,
         "extra": {"options": f"-csearch_path={PG_SCHEMA}"}}))
     upgrade(ledger_url(tmp_path))
-    with create_engine(make_url("postgresql+psycopg2://postgres@127.0.0.1:5432/test")).connect() as conn:
+    with create_engine(pg).connect() as conn:
         tables = conn.execute(text("SELECT table_name FROM information_schema.tables WHERE table_schema = :s"),
                               {"s": PG_SCHEMA}).scalars().all()
     assert {"run", "attempt", "allocation", "hybridflow_ledger_version"} <= set(tables)

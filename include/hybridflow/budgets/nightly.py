@@ -35,7 +35,7 @@ def evaluate_budgets(period: str, settings: Settings | None = None, *, at: datet
     from hybridflow.budgets.enforce import ledger_url, stop_interruptible_gangs
     from hybridflow.budgets.evaluate import evaluate_period
     from hybridflow.budgets.notifier import BudgetWebhookNotifier
-    from hybridflow.budgets.spend import allocated_spend
+    from hybridflow.budgets.spend import allocated_spend, require_allocation
     from hybridflow.budgets.store import BudgetStore
     from hybridflow.config import load_estate
 
@@ -47,6 +47,9 @@ def evaluate_budgets(period: str, settings: Settings | None = None, *, at: datet
     def send(note: dict) -> None:
         BudgetWebhookNotifier(http_conn_id=cfg.webhook_conn_id, text=note["text"], payload=note, key=note["key"])({})
 
+    # Before migrating: a URL that names no allocated ledger gets the error saying what to run, not a
+    # new empty ledger that reads as zero spend.
+    require_allocation(engine)
     store = BudgetStore(engine)
     store.ensure_schema()
     outcomes = evaluate_period(

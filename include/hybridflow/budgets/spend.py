@@ -20,6 +20,21 @@ class LedgerError(HybridFlowError):
     """The ledger lacks what the budget evaluation reads."""
 
 
+def require_allocation(engine: Engine) -> None:
+    """Raise :class:`LedgerError` unless the ledger at ``engine`` has the allocation table."""
+    with engine.connect() as conn:
+        _require_allocation(conn, engine)
+
+
+def _require_allocation(conn, engine: Engine) -> None:
+    if not inspect(conn).has_table(ALLOCATION_TABLE):
+        raise LedgerError(
+            f"the ledger at {engine.url.render_as_string(hide_password=True)} has no {ALLOCATION_TABLE!r} "
+            "table: run the nightly allocation (gpu_cost_nightly) first, or point HYBRIDFLOW_LEDGER_URL "
+            "at the ledger it writes"
+        )
+
+
 def allocated_spend(engine: Engine, project: str, period: str) -> float:
     """USD allocated to ``project`` on the days of ``period`` (``YYYY-MM``) allocated so far."""
     start = f"{period}-01"
@@ -29,10 +44,5 @@ def allocated_spend(engine: Engine, project: str, period: str) -> float:
         "WHERE project = :project AND day >= :start AND day < :end"
     )
     with engine.connect() as conn:
-        if not inspect(conn).has_table(ALLOCATION_TABLE):
-            raise LedgerError(
-                f"the ledger at {engine.url.render_as_string(hide_password=True)} has no {ALLOCATION_TABLE!r} "
-                "table: run the nightly allocation (gpu_cost_nightly) first, or point HYBRIDFLOW_LEDGER_URL "
-                "at the ledger it writes"
-            )
+        _require_allocation(conn, engine)
         return float(conn.execute(query, {"project": project, "start": start, "end": end}).scalar_one())

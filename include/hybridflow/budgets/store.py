@@ -4,6 +4,9 @@ which notification thresholds have gone out.
 One row per (project, period) in ``budget_state`` and one per (project, period, threshold) in
 ``budget_notification``; the primary keys make a re-run evaluation update instead of append, and
 make a threshold's notification claimable once.
+
+The tables are defined here for the queries, but created by the ledger's migrations (0002), like every
+other ledger table.
 """
 
 from __future__ import annotations
@@ -88,8 +91,13 @@ class BudgetStore:
         self.engine = engine
 
     def ensure_schema(self) -> None:
-        """Create the two budget tables where they are missing (a no-op once they exist)."""
-        metadata.create_all(self.engine, checkfirst=True)
+        """Bring the ledger to its latest schema, budget tables included (a no-op once it is there).
+
+        Through the ledger's migrations, not ``create_all``, so the version table stays in step and a
+        database used only for budgets is a ledger like any other."""
+        from hybridflow.ledger.migrate import upgrade
+
+        upgrade(self.engine)
 
     def has_schema(self) -> bool:
         """Whether the budget tables exist (not before the first budget evaluation)."""

@@ -1,5 +1,6 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
-allocations). Budget state lives in the same database, in tables owned by hybridflow.budgets.store."""
+allocations). Budget state lives in the same database, in tables defined by hybridflow.budgets.store
+and created by migration 0002."""
 
 from __future__ import annotations
 
