@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from tests.unit.k8s_config import as_kubernetes
+from tests.unit.k8s_kubelet import Kubelet
+from tests.unit.k8s_sim import SimCluster, install
 
 from hybridflow.datasets import seed_digits
 from hybridflow.devenv.rclone import airflow_conn_uri
 from hybridflow.settings import REPO_ROOT
 from hybridflow.storage.s3 import S3ObjectStore
-from tests.unit.k8s_config import as_kubernetes
-from tests.unit.k8s_kubelet import Kubelet
-from tests.unit.k8s_sim import SimCluster, install
 
 pytestmark = pytest.mark.s3
 CLUSTER = "k8s-dc2"
@@ -169,11 +169,10 @@ def test_gang_not_admitted_on_kubernetes_fails_over_and_leaves_nothing_queued(es
 
 @pytest.mark.parametrize("estate", [("volcano", False)], indirect=True, ids=["volcano-blocking"])
 def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(estate) -> None:
-    from hybridflow.storage.objectstore import open_store
-    from hybridflow.training.checkpoint import CheckpointStore
-
     from hybridflow import pipeline
     from hybridflow.settings import get_settings
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
 
     run, placement, _, op, context = _train_task("k8s-evict", train_steps=400, checkpoint_every_steps=20)
 

@@ -112,6 +112,8 @@ def server(assets, tmp_path_factory):
             "s1",
             "--port",
             "0",
+            "--host",  # what a pod is given (as 0.0.0.0): the flag's address is the one bound
+            "127.0.0.1",
             "--ready-file",
             str(ready),
         ],

@@ -47,7 +47,10 @@ def test_manifests_are_valid_and_the_service_reaches_both_tracks():
     assert not _matches(stable["spec"]["selector"]["matchLabels"], canary["spec"]["template"]["metadata"]["labels"])
     pod = stable["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"hybridflow.io/pool": "inference"}
-    assert "/models/v1/int8.pt" in pod["containers"][0]["command"]
+    command = pod["containers"][0]["command"]
+    assert "/models/v1/int8.pt" in command
+    # In a pod the server must listen on the pod IP, where the Service and the probes reach it.
+    assert command[command.index("--host") + 1] == "0.0.0.0"
     assert stable["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
 

@@ -83,7 +83,8 @@ def _deployment(pool: InferencePool, release: Release, track: str, replicas: int
         "image": release.image,
         "command": ["python", "-m", "hybridflow.serving.server",
                     "--model", f"{MODELS_MOUNT}/{release.version}/{release.variant}.pt",
-                    "--variant", release.variant, "--version", release.version, "--port", str(pool.port)],
+                    "--variant", release.variant, "--version", release.version, "--port", str(pool.port),
+                    "--host", "0.0.0.0"],  # noqa: S104 - the pod's Service and probes reach it on the pod IP
         "ports": [{"name": "http", "containerPort": pool.port}],
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "initialDelaySeconds": 30},

@@ -1,4 +1,4 @@
-"""One model version behind a small HTTP API on 127.0.0.1.
+"""One model version behind a small HTTP API (on 127.0.0.1 unless --host says otherwise).
 
     python -m hybridflow.serving.server --model PATH --variant int8|fp16|fp32 --version V --port P
 
@@ -126,11 +126,11 @@ def make_handler(predict, version: str, variant: str) -> type[BaseHTTPRequestHan
     return Handler
 
 
-def build_server(model: Path, variant: str, version: str, port: int) -> ThreadingHTTPServer:
+def build_server(model: Path, variant: str, version: str, port: int, host: str = HOST) -> ThreadingHTTPServer:
     from hybridflow.compression import load_compressed
 
     predict = load_compressed(model, variant)
-    server = ThreadingHTTPServer((HOST, port), make_handler(predict, version, variant))
+    server = ThreadingHTTPServer((host, port), make_handler(predict, version, variant))
     server.daemon_threads = True
     return server
 
@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--variant", choices=("int8", "fp16", "fp32"), required=True)
     parser.add_argument("--version", required=True)
-    parser.add_argument("--port", type=int, required=True, help="port on 127.0.0.1; 0 picks a free one")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
+    # Loopback on this machine; a pod listens on all its interfaces so its Service can reach it.
+    parser.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}; 0.0.0.0 in a pod)")
     parser.add_argument("--ready-file", type=Path, help="write {pid, port, version} here once serving")
     args = parser.parse_args(argv)
 
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # many small requests on few cores: intra-op threads only add contention
     try:
-        server = build_server(args.model, args.variant, args.version, args.port)
+        server = build_server(args.model, args.variant, args.version, args.port, args.host)
     except (OSError, ValueError) as exc:
         print(f"cannot serve {args.model} as {args.variant} version {args.version}: {exc}", file=sys.stderr)
         return 2
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file:
         _write_ready(args.ready_file, {"pid": os.getpid(), "port": port, "version": args.version})
     print(
-        f"serving version {args.version} ({args.variant}) on http://{HOST}:{port}",
+        f"serving version {args.version} ({args.variant}) on http://{args.host}:{port}",
         file=sys.stderr,
         flush=True,
     )
