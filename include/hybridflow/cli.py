@@ -282,6 +282,26 @@ def _import_prices(args, engine, settings) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    from hybridflow import nodehealth
+
+    if args.action == "list":
+        json.dump(nodehealth.read_state(), sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0
+    if not (args.cluster and args.node):
+        print("hybridflow node restore needs the cluster and the node, e.g. hybridflow node restore cloud-east "
+              "gpu-7", file=sys.stderr)
+        return 2
+    try:
+        done = nodehealth.restore_node(args.cluster, args.node)
+    except ValueError as exc:
+        print(f"hybridflow node restore: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(done))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -332,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ledger.add_argument("--valid-from", help="prices: first day (YYYY-MM-DD) the prices apply")
     ledger.add_argument("--url", help="SQLAlchemy URL (default: HYBRIDFLOW_LEDGER_URL, else ledger/ledger.db under HYBRIDFLOW_HOME)")
     ledger.set_defaults(func=cmd_ledger)
+    node = sub.add_parser("node", help="list: nodes node health marked unhealthy; restore: uncordon a repaired "
+                          "node (kubernetes) and clear its mark")
+    node.add_argument("action", choices=["list", "restore"])
+    node.add_argument("cluster", nargs="?", help="restore: the node's cluster in config/clusters.yaml")
+    node.add_argument("node", nargs="?", help="restore: the node's name")
+    node.set_defaults(func=cmd_node)
     args = parser.parse_args(argv)
     return args.func(args)
 

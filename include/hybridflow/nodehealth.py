@@ -10,7 +10,8 @@ Policy (one place, so the metering DAG and operators agree):
 
 Probe streaks live in a small JSON state file (``<HYBRIDFLOW_HOME>/state/nodehealth.json``),
 locked while read and written, because each cluster is metered by its own task. An unhealthy node
-stays unhealthy here until an operator uncordons it and clears it with :func:`clear_node`.
+stays unhealthy here until an operator restores it (``hybridflow node restore <cluster> <node>``:
+:func:`restore_node` uncordons it and clears the mark).
 
 On a ``kubernetes`` cluster an unhealthy node is cordoned (``spec.unschedulable``), tainted
 ``hybridflow.io/gpu-unhealthy=<reason>:NoSchedule`` and every gang with a pod on it is restarted as a
@@ -36,7 +37,8 @@ from typing import Any
 from hybridflow.backends.k8s.manifests import GANG_LABEL  # on every pod of a gang job
 from hybridflow.metering.collect import NodeFinding
 
-__all__ = ["NodeFinding", "NodeDecision", "decide", "report_findings", "clear_node", "KubernetesNodeActions",
+__all__ = ["NodeFinding", "NodeDecision", "decide", "report_findings", "clear_node", "restore_node",
+           "KubernetesNodeActions",
            "TAINT_KEY", "GANG_LABEL", "PROBE_FAILURES_TO_CORDON"]
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,14 @@ class KubernetesNodeActions:
         core.patch_node(name=node, body=patch)
         return [f"cordoned {node}", f"tainted {node} {TAINT_KEY}={value}:NoSchedule"]
 
+    def uncordon(self, node: str) -> list[str]:
+        """Make a repaired node schedulable again: lift the cordon and our taint (others stay)."""
+        core = self.hook.core_v1_client
+        taints = [_taint_dict(t) for t in core.read_node(name=node).spec.taints or []]
+        kept = [t for t in taints if t.get("key") != TAINT_KEY]
+        core.patch_node(name=node, body={"spec": {"unschedulable": False, "taints": kept}})
+        return [f"uncordoned {node}"] + ([f"removed taint {TAINT_KEY} from {node}"] if len(kept) < len(taints) else [])
+
     def restart_gangs_on(self, node: str) -> list[str]:
         core = self.hook.core_v1_client
         pods = core.list_namespaced_pod(namespace=self.namespace, field_selector=f"spec.nodeName={node}")
@@ -175,6 +185,26 @@ def _default_hook(conn_id: str) -> Any:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
     return KubernetesHook(conn_id=conn_id)
+
+
+def restore_node(cluster_name: str, node: str, *, estate: Any = None, state_path: Path | None = None,
+                 hook_factory: Callable[[str], Any] = _default_hook) -> list[str]:
+    """An operator's "this node is repaired": uncordon it on a kubernetes cluster, then forget its
+    unhealthy mark so node health judges it afresh. The mark stays if the API call fails."""
+    if estate is None:
+        from hybridflow.config import load_estate
+        from hybridflow.settings import get_settings
+
+        estate = load_estate(get_settings().config_dir)
+    cluster = estate.clusters.get(cluster_name)
+    if cluster is None:
+        raise ValueError(f"cluster {cluster_name!r} is not in clusters.yaml; use one of: {', '.join(sorted(estate.clusters))}")
+    done = []
+    if cluster.backend == "kubernetes":
+        done += KubernetesNodeActions(hook_factory(cluster.conn_id), cluster.k8s_namespace).uncordon(node)
+    known = clear_node(cluster_name, node, state_path=state_path)
+    return done + [f"cleared the unhealthy mark of {cluster_name}/{node}" if known
+                   else f"{cluster_name}/{node} had no unhealthy mark"]
 
 
 # --- intake ------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ clusters (through the provider's hook, against the cluster simulator) and record
 from __future__ import annotations
 
 import copy
+import json
 
 import kubernetes_validate
 import pytest
@@ -18,6 +19,7 @@ from hybridflow.nodehealth import (
     node_cordon_patch,
     read_state,
     report_findings,
+    restore_node,
 )
 from hybridflow.settings import REPO_ROOT
 
@@ -96,6 +98,22 @@ def test_xid_cordons_at_once_keeps_other_taints_and_restarts_only_gangs_on_the_n
     assert later.unhealthy and not later.newly_unhealthy and len(sim.calls) == calls
 
 
+def test_restored_node_is_uncordoned_keeps_other_taints_and_is_judged_afresh(sim, report):
+    run, path = report
+    run([_ok("gpu-2", dbe=1)])
+    assert sim.nodes["gpu-2"]["unschedulable"]
+    done = restore_node("cloud-east", "gpu-2", estate=_Estate(), state_path=path)
+    node = sim.nodes["gpu-2"]
+    assert not node["unschedulable"] and [t["key"] for t in node["taints"]] == ["dedicated"]
+    assert done[0] == "uncordoned gpu-2" and "cleared the unhealthy mark of cloud-east/gpu-2" in done
+    assert "gpu-2" not in read_state(path)["cloud-east"]
+    # Healthy now: nothing happens; a new fault cordons it again at once.
+    assert not run([_ok("gpu-2")])[0].unhealthy and not node["unschedulable"]
+    assert run([_ok("gpu-2", xid=(48,))])[0].newly_unhealthy and node["unschedulable"]
+    with pytest.raises(ValueError, match="'nowhere' is not in clusters.yaml"):
+        restore_node("nowhere", "gpu-2", estate=_Estate(), state_path=path)
+
+
 def test_uncorrectable_ecc_cordons_but_correctable_does_not(sim, report):
     run, _ = report
     decisions = run([_ok("gpu-1", sbe=12), _ok("gpu-2", dbe=1)])
@@ -137,3 +155,17 @@ def test_cordon_patch_is_a_valid_node():
     patch = node_cordon_patch("gpu-1", "xid-79", [{"key": "dedicated", "value": "ml", "effect": "NoExecute"}])
     kubernetes_validate.validate(patch, "1.33", strict=True)
     assert patch["spec"]["taints"][-1] == {"key": TAINT_KEY, "value": "xid-79", "effect": "NoSchedule"}
+
+
+def test_node_command_lists_and_restores_a_local_node(tmp_path, monkeypatch, capsys):
+    from hybridflow.cli import main
+
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    report_findings([_ok("slot-host", cluster="onprem-a", xid=(79,))], estate=load_estate(REPO_ROOT / "config"))
+    assert main(["node", "list"]) == 0
+    assert json.loads(capsys.readouterr().out)["onprem-a"]["slot-host"]["reason"] == "xid-79"
+    assert main(["node", "restore", "onprem-a", "slot-host"]) == 0
+    assert "cleared the unhealthy mark of onprem-a/slot-host" in capsys.readouterr().out
+    assert main(["node", "list"]) == 0 and json.loads(capsys.readouterr().out) == {"onprem-a": {}}
+    assert main(["node", "restore"]) == 2 and "needs the cluster and the node" in capsys.readouterr().err
+    assert main(["node", "restore", "mars", "n1"]) == 2 and "'mars' is not in clusters.yaml" in capsys.readouterr().err
