@@ -9,8 +9,10 @@ controller keeps ``parallelism`` pods, recreating evicted ones without counting 
 
 It is driven through the same client calls as a real API server: fakes of the kubernetes client's
 ``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods, returning the client's own model
-objects (or dicts for custom objects) and raising ``ApiException`` with real status codes.
-:func:`install` hands them out from ``KubernetesHook``'s client properties.
+objects (or dicts for custom objects) and raising ``ApiException`` with real status codes; jobs
+can be listed by label selector and patched (merge patch), and ``deleted`` keeps each deleted job
+as it was last. :func:`install` hands them out from ``KubernetesHook``'s client properties
+(:func:`install_clusters`: one simulator per Connection, for an estate of clusters).
 """
 
 from __future__ import annotations
@@ -58,6 +60,49 @@ def _selector(selector: str | None) -> dict[str, str]:
     return dict(part.split("=", 1) for part in selector.split(","))
 
 
+def _label_match(labels: dict, selector: str | None) -> bool:
+    """An equality-based label selector as the API server reads it: ``k=v``, ``k==v``, ``k!=v`` (true
+    when the label is absent), ``k`` (exists), ``!k`` (absent), joined by commas."""
+    for part in filter(None, (p.strip() for p in (selector or "").split(","))):
+        if "(" in part:
+            raise NotImplementedError(f"set-based selector {part!r} is not simulated")
+        if "!=" in part:
+            key, value = part.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in part:
+            key, value = part.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif part.startswith("!"):
+            if part[1:].strip() in labels:
+                return False
+        elif part not in labels:
+            return False
+    return True
+
+
+def _merge_patch(target: dict, patch: dict) -> dict:
+    """RFC 7386 JSON merge patch (what a strategic merge patch also does to maps like annotations)."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge_patch(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+    return target
+
+
+def _check_patch(body, content_type: str) -> None:
+    # The API server refuses a map sent as a JSON patch (which must be a list of operations).
+    if content_type == "application/json-patch+json" and not isinstance(body, list):
+        raise ApiException(status=400, reason="BadRequest: json: cannot unmarshal object into Go value of type "
+                                              "[]handlers.jsonPatchOp")
+    if content_type not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+        raise NotImplementedError(f"patch content type {content_type!r} is not simulated")
+
+
 class SimCluster:
     def __init__(self, nodes: dict[str, dict]) -> None:
         self.nodes = {
@@ -70,6 +115,7 @@ class SimCluster:
         self.pods: dict[tuple[str, str], dict] = {}
         self.secrets: dict[tuple[str, str], dict] = {}
         self.services: dict[tuple[str, str], dict] = {}
+        self.deleted: dict[tuple[str, str, str], dict] = {}  # (kind, ns, name): a job as it was when deleted
         self.kueue_admits = True  # the LocalQueue's ClusterQueue has quota
         self.on_read = None  # called before each job read: lets time pass between a watcher's polls
         self.calls: list[str] = []
@@ -276,11 +322,32 @@ class FakeCustomObjectsApi:
             raise _not_found(name)
         return copy.deepcopy(self.sim.vcjobs[(namespace, name)])
 
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **kwargs):
+        self._check(group, version, plural)
+        items = [copy.deepcopy(job) for (ns, _), job in sorted(self.sim.vcjobs.items())
+                 if ns == namespace and _label_match(job["metadata"].get("labels") or {}, label_selector)]
+        return {"apiVersion": f"{group}/{version}", "kind": "JobList", "metadata": {}, "items": items}
+
+    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **kwargs):
+        self._check(group, version, plural)
+        # CustomObjectsApi sends a merge patch unless told otherwise.
+        _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
+        if (namespace, name) not in self.sim.vcjobs:
+            raise _not_found(name)
+        self.sim.calls.append(f"patch vcjob {name}")
+        patched = _merge_patch(copy.deepcopy(self.sim.vcjobs[(namespace, name)]), body)
+        jsonschema.validate({k: v for k, v in patched.items() if k != "status" and not k.startswith("_")},
+                            crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+        self.sim.vcjobs[(namespace, name)] = patched
+        return copy.deepcopy(patched)
+
     def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
         self._check(group, version, plural)
         self.sim.calls.append(f"delete vcjob {name}")
-        if self.sim.vcjobs.pop((namespace, name), None) is None:
+        gone = self.sim.vcjobs.pop((namespace, name), None)
+        if gone is None:
             raise _not_found(name)
+        self.sim.deleted[("vcjob", namespace, name)] = gone
         self.sim.delete_owned(("vcjob", namespace, name))  # garbage collection of owned pods
         return {"status": "Success"}
 
@@ -309,10 +376,26 @@ class FakeBatchV1Api:
 
     read_namespaced_job_status = read_namespaced_job
 
+    def list_namespaced_job(self, namespace, label_selector=None, **kwargs):
+        items = [job for (ns, _), job in sorted(self.sim.jobs.items())
+                 if ns == namespace and _label_match(job["metadata"].get("labels") or {}, label_selector)]
+        return to_model({"apiVersion": "batch/v1", "kind": "JobList", "metadata": {}, "items": items}, "V1JobList")
+
+    def patch_namespaced_job(self, name, namespace, body, **kwargs):
+        # For a dict body BatchV1Api picks the first type it offers, json-patch+json.
+        _check_patch(body, kwargs.get("_content_type") or "application/json-patch+json")
+        if (namespace, name) not in self.sim.jobs:
+            raise _not_found(name)
+        self.sim.calls.append(f"patch job {name}")
+        _merge_patch(self.sim.jobs[(namespace, name)], body)
+        return to_model(self.sim.jobs[(namespace, name)], "V1Job")
+
     def delete_namespaced_job(self, name, namespace, **kwargs):
         self.sim.calls.append(f"delete job {name}")
-        if self.sim.jobs.pop((namespace, name), None) is None:
+        gone = self.sim.jobs.pop((namespace, name), None)
+        if gone is None:
             raise _not_found(name)
+        self.sim.deleted[("job", namespace, name)] = gone
         # The API's default for Jobs orphans their pods; only a propagation policy removes them.
         if kwargs.get("propagation_policy") in ("Background", "Foreground"):
             self.sim.delete_owned(("job", namespace, name))
@@ -405,3 +488,13 @@ def install(monkeypatch, sim: SimCluster) -> None:
     monkeypatch.setattr(KubernetesHook, "core_v1_client", property(lambda self: sim.core))
     monkeypatch.setattr(KubernetesHook, "batch_v1_client", property(lambda self: sim.batch))
     monkeypatch.setattr(KubernetesHook, "custom_object_client", property(lambda self: sim.custom))
+
+
+def install_clusters(monkeypatch, sims: dict[str, SimCluster]) -> None:
+    """Like :func:`install` for an estate of several clusters: each hook gets the clients of the
+    simulator registered under its ``conn_id``."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+    monkeypatch.setattr(KubernetesHook, "core_v1_client", property(lambda self: sims[self.conn_id].core))
+    monkeypatch.setattr(KubernetesHook, "batch_v1_client", property(lambda self: sims[self.conn_id].batch))
+    monkeypatch.setattr(KubernetesHook, "custom_object_client", property(lambda self: sims[self.conn_id].custom))

@@ -3,14 +3,17 @@ explicit override), and its running interruptible gangs checkpoint and stop."""
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, date, datetime
 from pathlib import Path
 
 from hybridflow.budgets.config import load_budgets, period_of
 from hybridflow.budgets.store import BudgetStore
-from hybridflow.config import Estate
+from hybridflow.config import Cluster, Estate
 from hybridflow.errors import AdmissionError
 from hybridflow.ledger.engine import LEDGER_URL_ENV, ledger_url  # noqa: F401 (decided in one place)
+
+log = logging.getLogger(__name__)
 
 
 def default_store() -> BudgetStore | None:
@@ -65,13 +68,21 @@ def refuse_if_frozen(
 
 
 def stop_interruptible_gangs(project: str, reason: str, estate: Estate, state_dir: Path) -> list[str]:
-    """SIGTERM the project's running interruptible, non-critical gangs on local clusters: each
-    commits a final checkpoint and exits, and its train task fails with ``reason`` (no relaunch)."""
+    """Stop the project's running interruptible, non-critical gangs on every cluster: each commits a
+    final checkpoint and exits, and its train task fails with ``reason`` (no relaunch).
+
+    Local gangs get SIGTERM and are named as they are; Kubernetes gang jobs are annotated, then
+    deleted with their pods, and named ``<cluster>/<job>``. A Kubernetes cluster that cannot be
+    reached is logged and skipped (the next evaluation tries again): the freeze is recorded already
+    and the other clusters are still handled."""
     from hybridflow.backends.local import LocalGangBackend
 
     grace = estate.pipeline.training.preemption_grace_s
     stopped = []
     for cluster in estate.clusters.values():
+        if cluster.backend == "kubernetes":
+            stopped += _stop_kubernetes_gangs(cluster, project, reason)
+            continue
         if cluster.backend != "local":
             continue
         backend = LocalGangBackend(state_dir, cluster.name, cluster.total_gpus, grace_s=grace)
@@ -80,4 +91,25 @@ def stop_interruptible_gangs(project: str, reason: str, estate: Estate, state_di
             if (labels.get("project") == project and labels.get("interruptible") == "true"
                     and labels.get("priority") != "critical" and backend.stop(gang["name"], reason)):
                 stopped.append(gang["name"])
+    return stopped
+
+
+def _stop_kubernetes_gangs(cluster: Cluster, project: str, reason: str) -> list[str]:
+    from hybridflow.backends.k8s.backend import KubernetesGangBackend
+
+    # The same choice as for local gangs, made by the API server from the manifests' labels.
+    selector = (f"hybridflow.io/project={project},hybridflow.io/interruptible=true,"
+                "hybridflow.io/priority!=critical")
+    stopped: list[str] = []
+    try:
+        backend = KubernetesGangBackend(cluster, image="")  # listing and deleting need no image
+        for name in backend.list_gangs(selector):
+            if backend.stop(name, reason):
+                stopped.append(f"{cluster.name}/{name}")
+    except Exception as exc:  # unreachable API, expired credentials, ...: one cluster must not stop the rest
+        log.warning("budget freeze of %s: could not stop its gangs on kubernetes cluster %s (%s: %s)%s; "
+                    "the next budget evaluation tries again", project, cluster.name, type(exc).__name__, exc,
+                    f", stopped so far: {', '.join(stopped)}" if stopped else "")
+    for name in stopped:
+        log.info("budget freeze of %s: stopped gang %s", project, name)
     return stopped

@@ -297,3 +297,48 @@ class KubernetesGangBackend:
                 return self.outcome(sub.name, status, admitted=admitted)
             sleep(poll_s)
             status = self.status(sub.name)
+
+    # --- budget freeze: find gangs by label and stop them -----------------------------------------
+
+    # Set on a gang job just before stop() deletes it: the reason shows in the API server's audit log
+    # and to anything watching the job.
+    STOPPED_REASON = "hybridflow.io/stopped-reason"
+    # Bounds each listing/patch call, so an unreachable API server fails the call instead of hanging it.
+    API_TIMEOUT_S = 30.0
+
+    def list_gangs(self, label_selector: str, *, finished: bool = False) -> list[str]:
+        """Names (sorted) of the gang jobs in the namespace whose labels match ``label_selector``, e.g.
+        ``hybridflow.io/project=digits,hybridflow.io/interruptible=true``. Succeeded and failed jobs
+        (kept for their status and logs) and jobs already being deleted count only with ``finished``."""
+        if self.scheduler == "volcano":
+            listing = self.hook.custom_object_client.list_namespaced_custom_object(
+                group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=self.namespace, plural=VOLCANO_PLURAL,
+                label_selector=label_selector, _request_timeout=self.API_TIMEOUT_S)
+            found = [(obj["metadata"]["name"], bool(obj["metadata"].get("deletionTimestamp")), volcano_status(obj))
+                     for obj in listing.get("items") or []]
+        else:
+            listing = self.hook.batch_v1_client.list_namespaced_job(
+                namespace=self.namespace, label_selector=label_selector, _request_timeout=self.API_TIMEOUT_S)
+            found = [(job.metadata.name, job.metadata.deletion_timestamp is not None, kueue_status(job))
+                     for job in listing.items or []]
+        return sorted(name for name, deleting, status in found if finished or not (deleting or status.terminal))
+
+    def stop(self, name: str, reason: str) -> bool:
+        """Stop a gang for good: annotate the job with ``STOPPED_REASON`` = ``reason``, then delete it
+        with its pods, Secret and Service (the pods get SIGTERM: workers commit a final checkpoint
+        within their grace period). True if the job existed; a vanished job is a no-op."""
+        patch = {"metadata": {"annotations": {self.STOPPED_REASON: reason}}}
+        # Said explicitly: for a dict body BatchV1Api would pick json-patch+json, which the API refuses.
+        kw = {"body": patch, "_content_type": "application/merge-patch+json", "_request_timeout": self.API_TIMEOUT_S}
+        try:
+            if self.scheduler == "volcano":
+                self.hook.custom_object_client.patch_namespaced_custom_object(
+                    group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=self.namespace, plural=VOLCANO_PLURAL,
+                    name=name, **kw)
+            else:
+                self.hook.batch_v1_client.patch_namespaced_job(name=name, namespace=self.namespace, **kw)
+        except Exception as exc:
+            if _status_code(exc) != 404:
+                raise
+        # Also after a 404: removes a Secret or Service the vanished job left behind.
+        return self.delete(name)
