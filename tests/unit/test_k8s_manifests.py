@@ -55,6 +55,8 @@ def test_volcano_job_validates_against_the_crd_and_gangs_all_workers():
     assert pod["nodeSelector"] == POOL.node_labels
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "train-r1-env"}}]
+    assert pod["terminationGracePeriodSeconds"] == 40  # the 30 s checkpoint grace, plus time to close
+    assert volcano_job(_spec(grace_s=120.5))["spec"]["tasks"][0]["template"]["spec"]["terminationGracePeriodSeconds"] == 131
     assert spec["tasks"][0]["template"]["metadata"]["labels"][GANG_LABEL] == job["metadata"]["name"]
     # The pod template is a valid core PodTemplateSpec too.
     kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
@@ -143,7 +145,7 @@ def test_names_are_deterministic_dns_labels_that_differ_per_run_and_cluster():
     ("gpus_per_worker", 0), ("priority", "urgent"), ("image", ""), ("command", ()),
     ("queue", "Team A"), ("max_retry", -1), ("name", "Train_Model"), ("namespace", "kube system"),
     ("labels", {"team": "a b"}), ("env", {"1BAD": "x"}), ("env_secret", "Bad_Secret"),
-    ("volumes", (("Scratch_FS", "/scratch"),)), ("volumes", (("scratch", "scratch"),)),
+    ("volumes", (("Scratch_FS", "/scratch"),)), ("volumes", (("scratch", "scratch"),)), ("grace_s", 0),
 ])
 def test_bad_specs_are_refused_naming_the_field(field, value):
     with pytest.raises(ManifestError) as info:

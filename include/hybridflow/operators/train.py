@@ -237,7 +237,9 @@ class GangTrainOperator(BaseOperator):
         from hybridflow.backends.k8s.backend import KubernetesGangBackend
 
         # The scheduler restarts an evicted gang itself (resuming from its checkpoint) this many times.
-        return KubernetesGangBackend(cluster, image=cluster.image, max_retry=estate.pipeline.training.preemption_retries)
+        training = estate.pipeline.training
+        return KubernetesGangBackend(cluster, image=cluster.image, max_retry=training.preemption_retries,
+                                     grace_s=training.preemption_grace_s)
 
     def _train_on_kubernetes(self, job: _TrainJob, estate) -> dict:
         """Submit the gang (or re-attach to the one this run already has there) and wait for it, in

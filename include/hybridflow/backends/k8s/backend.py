@@ -134,7 +134,7 @@ class KubernetesGangBackend:
     """Gang jobs on one ``kubernetes`` cluster of the estate."""
 
     def __init__(self, cluster: Cluster, *, image: str, command: tuple[str, ...] = DEFAULT_COMMAND,
-                 max_retry: int = 3, hook: Any = None) -> None:
+                 max_retry: int = 3, grace_s: float = 30, hook: Any = None) -> None:
         if cluster.backend != "kubernetes":
             raise GangError(f"cluster {cluster.name!r} uses backend {cluster.backend!r}; the Kubernetes backend "
                             "needs clusters.<name>.backend: kubernetes")
@@ -147,6 +147,7 @@ class KubernetesGangBackend:
         self.image = image
         self.command = tuple(command)
         self.max_retry = max_retry
+        self.grace_s = grace_s
         self._hook = hook
 
     @property
@@ -168,6 +169,7 @@ class KubernetesGangBackend:
             max_retry=self.max_retry, labels=labels, env={SPEC_ENV: json.dumps(job.spec, sort_keys=True)},
             env_secret=secret,
             volumes=((self.cluster.scratch_claim, self.cluster.scratch_dir),) if self.cluster.scratch_claim else (),
+            grace_s=self.grace_s,
         )
 
     def status(self, name: str) -> GangStatus:

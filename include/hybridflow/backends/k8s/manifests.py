@@ -12,6 +12,7 @@ creates (``env_secret``), referenced with ``envFrom``.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class GangSpec:
     env_secret: str | None = None  # Secret holding the secret environment (envFrom)
     # PersistentVolumeClaims mounted in every worker: (claim name, absolute mount path).
     volumes: tuple[tuple[str, str], ...] = ()
+    # SIGTERM -> SIGKILL of a deleted or evicted pod: its worker's time to commit a final checkpoint.
+    grace_s: float = 30
 
     def check(self) -> None:
         """Refuse specs Kubernetes would reject (or that could never be admitted), naming the field."""
@@ -117,6 +120,8 @@ class GangSpec:
                 raise ManifestError(f"volumes.{i}.claim", f"{claim!r} is not a valid PersistentVolumeClaim name")
             if not str(mount).startswith("/"):
                 raise ManifestError(f"volumes.{i}.mount", f"{mount!r} must be an absolute path")
+        if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, int | float) or not 0 < self.grace_s <= 3600:
+            raise ManifestError("grace_s", f"{self.grace_s!r} must be a number of seconds in (0, 3600]")
         if self.env_secret is not None and not _DNS_LABEL_RE.match(self.env_secret):
             raise ManifestError("env_secret", f"{self.env_secret!r} is not a valid Secret name")
 
@@ -148,6 +153,8 @@ def _container(spec: GangSpec, env: list[dict]) -> dict:
 def _pod_spec(spec: GangSpec, env: list[dict]) -> dict:
     pod = {
         "restartPolicy": "Never",  # a failed worker is the gang's failure: the job policy decides
+        # The kubelet's default 30 s would cut a longer checkpoint grace short; 10 s for the upload to close.
+        "terminationGracePeriodSeconds": math.ceil(spec.grace_s) + 10,
         "priorityClassName": PRIORITY_CLASSES[spec.priority],
         "containers": [_container(spec, env)],
         # GPU nodes are commonly tainted so only GPU work lands there.
