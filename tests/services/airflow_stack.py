@@ -120,7 +120,7 @@ class AirflowStack:
             db = 1 + int(self.db[-4:], 16) % 15  # its own Redis database: queues of other runs stay apart
             self.env.update({
                 "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:6379/{db}",
-                "AIRFLOW__CELERY__RESULT_BACKEND": f"db+postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{self.db}",
+                "AIRFLOW__CELERY__RESULT_BACKEND": f"db+postgresql+psycopg2://{PG['user']}@{PG['host']}:{PG['port']}/{self.db}",
                 "AIRFLOW__CELERY__WORKER_CONCURRENCY": "4",
             })
         self.env.update(self.extra_env)
@@ -265,14 +265,19 @@ class AirflowStack:
         return got.get("task_instances", [])
 
 
-def services_available() -> str | None:
-    """Why the service tests cannot run here, or None."""
+def services_available(*, redis: bool = False) -> str | None:
+    """Why the service tests cannot run here (PostgreSQL, and Redis for Celery), or None."""
     try:
         import psycopg2
 
         psycopg2.connect(dbname="postgres", connect_timeout=3, **PG).close()
     except Exception as exc:  # noqa: BLE001
         return f"PostgreSQL on 127.0.0.1:5432 is not reachable: {exc}"
+    if redis:
+        try:
+            socket.create_connection(("127.0.0.1", 6379), timeout=3).close()
+        except OSError as exc:
+            return f"Redis on 127.0.0.1:6379 is not reachable: {exc}"
     if shutil.which("airflow", path=str(BIN)) is None:
         return "the airflow command is not installed next to this Python"
     return None
