@@ -145,3 +145,17 @@ def test_every_container_command_is_accepted_by_the_installed_clis(compose):
     with pytest.raises(SystemExit) as info:
         main(["seed", "--help"])
     assert info.value.code == 0
+
+
+def test_every_database_url_has_its_driver_installed(compose):
+    # A URL without a driver picks SQLAlchemy's default one for the dialect, which may not be in the
+    # image (db+postgresql:// needs psycopg 3, the image has psycopg2): the service would not start.
+    from sqlalchemy.engine import make_url
+
+    env = _env(compose["x-airflow-common"])
+    urls = {k: v for k, v in env.items() if k.endswith(("SQL_ALCHEMY_CONN", "RESULT_BACKEND"))}
+    assert set(urls) == {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__RESULT_BACKEND"}
+    for key, value in urls.items():
+        url = make_url(re.sub(r"\$\{[^}]*\}", "x", value.removeprefix("db+")))
+        url.get_dialect().import_dbapi()  # raises ImportError when the driver is missing
+        assert url.drivername == "postgresql+psycopg2", key
