@@ -214,10 +214,30 @@ class DataSettings(_Model):
     max_rows: int = Field(default=10_000_000, gt=0)
 
 
+class KubernetesServing(_Model):
+    """The private inference pool on a kubernetes cluster: where deploy rolls new versions out."""
+
+    cluster: str = Field(min_length=1)  # a private cluster with backend: kubernetes
+    node_pool: str = Field(min_length=1)
+    namespace: str = Field(default="hybridflow-serving", min_length=1)
+    image: str = Field(min_length=1)  # the serving image (hybridflow and torch installed)
+    # PersistentVolumeClaim (private storage) holding <version>/<variant>.pt, mounted read-only in
+    # the serving pods, and the folder where the same volume is mounted on the Airflow workers.
+    models_claim: str = Field(min_length=1)
+    models_dir: str = Field(min_length=1)
+    replicas: int = Field(default=2, ge=1, le=100)
+    gpus_per_replica: int = Field(default=1, ge=0)
+    port: int = Field(default=8080, ge=1, le=65535)
+    canary_percent: int = Field(default=10, ge=1, le=50)  # share of pods the new version gets first
+    ready_timeout_s: float = Field(default=600, gt=0)
+
+
 class ServingSettings(_Model):
     endpoint: str = Field(default="digits", min_length=1)
     port: int = Field(default=8790, ge=1, le=65535)
     smoke_min_accuracy: float = Field(default=0.85, ge=0, le=1)
+    # None: serve on this machine (blue/green behind 127.0.0.1:port); else roll out on Kubernetes.
+    kubernetes: KubernetesServing | None = None
 
 
 class StagingConfig(_Model):
@@ -386,6 +406,7 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
     problems = _check_clusters(clusters_path, clusters_file, projects_file)
     problems += _check_projects(projects_path, projects_file)
     problems += _check_metering(pipeline_path, pipeline.metering, clusters_file)
+    problems += _check_serving(pipeline_path, pipeline.serving, clusters_file)
     if problems:
         raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
     return Estate(
@@ -634,6 +655,29 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
             f"{at}.scratch_dir: only used when checkpoint_store or checkpoint_replica is 'scratch'; "
             "remove it or set checkpoint_replica: scratch"
         )
+    return problems
+
+
+def _check_serving(path: Path, serving: ServingSettings, cf: ClustersFile) -> list[str]:
+    k8s = serving.kubernetes
+    if k8s is None:
+        return []
+    at = f"{path}: serving.kubernetes"
+    cluster = cf.clusters.get(k8s.cluster)
+    if cluster is None or cluster.backend != "kubernetes" or not cluster.is_private:
+        fit = ", ".join(n for n, c in cf.clusters.items() if c.backend == "kubernetes" and c.is_private) or "none"
+        return [f"{at}.cluster: {k8s.cluster!r} is not a private cluster with backend kubernetes in "
+                f"{CLUSTERS_FILE} (the private inference pool); use one of: {fit}"]
+    problems = []
+    if k8s.node_pool not in {p.name for p in cluster.node_pools}:
+        problems.append(f"{at}.node_pool: {k8s.node_pool!r} is not a node pool of {k8s.cluster}; use one of: "
+                        + ", ".join(p.name for p in cluster.node_pools))
+    if not k8s.models_dir.startswith("/"):
+        problems.append(f"{at}.models_dir: {k8s.models_dir!r} must be the absolute path where models_claim is "
+                        "mounted on the Airflow workers")
+    for key in ("namespace", "models_claim"):
+        if not _NAME_RE.match(getattr(k8s, key)):
+            problems.append(f"{at}.{key}: {getattr(k8s, key)!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
     return problems
 
 

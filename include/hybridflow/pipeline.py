@@ -275,7 +275,10 @@ def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Sett
     if not admitted.request.deploy:
         log.info("deploy=false: the compressed model is kept in %s, not served", compressed["artifact"])
         return {"deployed": False}
-    serving = _estate(settings).pipeline.serving
+    estate = _estate(settings)
+    serving = estate.pipeline.serving
+    if serving.kubernetes is not None:
+        return _deploy_on_kubernetes(run, compressed, estate, serving)
     dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     x, y = parse_split(dataset.split_path("test").read_bytes())
     started = time.monotonic()
@@ -291,6 +294,29 @@ def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Sett
         log=log,
     )
     return {**result, "deployed": True, "seconds": round(time.monotonic() - started, 3)}
+
+
+def _deploy_on_kubernetes(run: Mapping[str, Any], compressed: Mapping[str, Any], estate, serving) -> dict:
+    """Publish the compressed model on the inference pool's models volume and roll it out there as a
+    canary (the first version straight to stable); the pods' readiness probe is the smoke gate."""
+    from hybridflow.backends.k8s.backend import make_hook
+    from hybridflow.serving.k8s import InferencePool, InferenceRollout, Release, publish_model, roll_out
+
+    k8s = serving.kubernetes
+    cluster = estate.clusters[k8s.cluster]
+    pool = InferencePool(endpoint=serving.endpoint, namespace=k8s.namespace, pool=cluster.pool(k8s.node_pool),
+                         models_claim=k8s.models_claim, replicas=k8s.replicas, port=k8s.port,
+                         gpus_per_replica=k8s.gpus_per_replica)
+    release = Release(version=run["run_key"], variant=compressed["selected"], image=k8s.image)
+    started = time.monotonic()
+    published = publish_model(Path(compressed["artifact"]), Path(k8s.models_dir), release)
+    log.info("Model %s (%s) published to %s", release.version, release.variant, published)
+    result = roll_out(InferenceRollout(make_hook(cluster.conn_id), pool), release,
+                      canary_percent=k8s.canary_percent, timeout_s=k8s.ready_timeout_s, log=log)
+    log.info("Endpoint %s on %s/%s: %s", serving.endpoint, k8s.cluster, k8s.namespace, result)
+    return {**result, "deployed": True, "cluster": k8s.cluster, "namespace": k8s.namespace,
+            "endpoint_url": f"http://{serving.endpoint}.{k8s.namespace}.svc:{k8s.port}",
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 def record(

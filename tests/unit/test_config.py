@@ -233,6 +233,11 @@ BROKEN += [
     ("clusters.yaml", _k8s(scratch_dir="scratch/onprem-a"), ["clusters.onprem-a.scratch_dir", "absolute path"]),
     ("clusters.yaml", _set(["clusters", "onprem-a", "image"], "trainer:1"),
      ["clusters.onprem-a.image", "backend: kubernetes"]),
+    ("pipeline.yaml", _set(["serving", "kubernetes"], {
+        "cluster": "onprem-a", "node_pool": "a100", "image": "serve:1", "models_claim": "models",
+        "models_dir": "/models"}), ["serving.kubernetes.cluster", "'onprem-a'", "backend kubernetes"]),
+    ("pipeline.yaml", _set(["serving", "kubernetes"], {"cluster": "onprem-a", "image": "serve:1"}),
+     ["serving.kubernetes.node_pool: required key is missing", "serving.kubernetes.models_dir"]),
 ]
 
 

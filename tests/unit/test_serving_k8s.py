@@ -20,6 +20,8 @@ from hybridflow.serving.k8s import (
     Release,
     canary_deployment,
     canary_replicas,
+    publish_model,
+    roll_out,
     service,
     stable_deployment,
 )
@@ -83,6 +85,8 @@ class _Store:
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict] = {}
+        self.generation: dict[tuple[str, str], int] = {}
+        self.broken: set[str] = set()
 
     def _create(self, kind, namespace, body):
         key = (kind, body["metadata"]["name"])
@@ -90,10 +94,27 @@ class _Store:
             raise ApiException(status=409, reason="AlreadyExists")
         self.objects[key] = copy.deepcopy(body)
 
+        self.generation[(kind, body["metadata"]["name"])] = 1
+
     def _patch(self, kind, name, body):
         if (kind, name) not in self.objects:
             raise ApiException(status=404, reason="NotFound")
         self.objects[(kind, name)] = copy.deepcopy(body)
+        self.generation[(kind, name)] = self.generation.get((kind, name), 0) + 1
+
+    def read_namespaced_deployment(self, name, namespace, **kw):
+        """As the Deployment controller reports it: pods of a version in ``broken`` never get ready."""
+        from tests.unit.k8s_sim import to_model
+
+        if ("Deployment", name) not in self.objects:
+            raise ApiException(status=404, reason="NotFound")
+        body = copy.deepcopy(self.objects[("Deployment", name)])
+        gen, want = self.generation[("Deployment", name)], body["spec"]["replicas"]
+        ok = body["metadata"]["labels"]["hybridflow.io/version"] not in self.broken
+        body["metadata"]["generation"] = gen
+        body["status"] = {"observedGeneration": gen, "replicas": want, "updatedReplicas": want,
+                          "readyReplicas": want if ok else 0}
+        return to_model(body, "V1Deployment")
 
     def create_namespaced_deployment(self, namespace, body, **kw):
         self._create("Deployment", namespace, body)
@@ -147,3 +168,89 @@ def test_canary_then_rollback_keeps_stable(rollout):
     assert ro.rollback() is True
     assert _versions(store) == {"digits": "v1"}
     assert ro.rollback() is False  # nothing left to roll back: no error
+
+
+def _roll(ro, release):
+    return roll_out(ro, release, canary_percent=25, timeout_s=3, poll_s=1, sleep=lambda s: None,
+                    clock=iter(range(10**6)).__next__)
+
+
+def test_roll_out_first_release_then_canary_promote_then_unchanged(rollout):
+    ro, store = rollout
+    assert _roll(ro, V1)["strategy"] == "first" and _versions(store) == {"digits": "v1"}
+    done = _roll(ro, V2)
+    assert (done["strategy"], done["previous"]) == ("canary", "v1") and _versions(store) == {"digits": "v2"}
+    assert _roll(ro, V2)["strategy"] == "unchanged" and _versions(store) == {"digits": "v2"}
+
+
+def test_canary_that_never_gets_ready_is_rolled_back(rollout):
+    ro, store = rollout
+    _roll(ro, V1)
+    store.broken.add("v2")  # e.g. its pods cannot load the model: the readiness probe fails
+    with pytest.raises(DeploymentError, match="canary v2 did not become ready within 3 s: rolled back, v1 still"):
+        _roll(ro, V2)
+    assert _versions(store) == {"digits": "v1"}
+
+
+def test_published_model_is_written_once_and_atomically(tmp_path):
+    artefact = tmp_path / "model-int8.pt"
+    artefact.write_bytes(b"weights" * 1000)
+    target = publish_model(artefact, tmp_path / "models", V1)
+    assert target == tmp_path / "models" / "v1" / "int8.pt" and target.read_bytes() == artefact.read_bytes()
+    mtime = target.stat().st_mtime_ns
+    assert publish_model(artefact, tmp_path / "models", V1).stat().st_mtime_ns == mtime  # same bytes: untouched
+    assert not list((tmp_path / "models" / "v1").glob(".*.part"))
+
+
+def _k8s_serving_estate(tmp_path, monkeypatch):
+    import shutil
+
+    import yaml
+    from tests.unit.k8s_config import as_kubernetes
+
+    from hybridflow.datasets import seed_digits
+    from hybridflow.settings import REPO_ROOT
+
+    config = tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", config)
+    clusters = yaml.safe_load((config / "clusters.yaml").read_text())
+    dc = as_kubernetes(copy.deepcopy(clusters["clusters"]["onprem-a"]), conn_id="k8s_private", scheduler="volcano")
+    dc["node_pools"].append({"name": "l4", "gpu_model": "L4", "gpu_memory_gib": 24, "gpus": 8,
+                             "node_labels": {"hybridflow.io/pool": "inference"}})
+    clusters["clusters"]["dc-k8s"] = dc
+    (config / "clusters.yaml").write_text(yaml.safe_dump(clusters, sort_keys=False))
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["serving"]["kubernetes"] = {"cluster": "dc-k8s", "node_pool": "l4", "namespace": "serving",
+                                         "image": "registry.local/hybridflow-serve:1", "models_claim": "private-models",
+                                         "models_dir": str(tmp_path / "models-volume"), "replicas": 4,
+                                         "ready_timeout_s": 5}
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_PRIVATE", "kubernetes://")
+    seed_digits(tmp_path / "home" / "private")
+
+
+def test_deploy_step_rolls_the_compressed_model_out_on_the_kubernetes_pool(tmp_path, monkeypatch, rollout):
+    from hybridflow import pipeline
+    from hybridflow.records import build_record
+    from hybridflow.runs import RunIdentity
+
+    _, store = rollout
+    _k8s_serving_estate(tmp_path, monkeypatch)
+    identity = RunIdentity("hybrid_training", "manual__serve-1", 1)
+    run = pipeline.admit({}, identity)
+    artefact = tmp_path / "int8.pt"
+    artefact.write_bytes(b"quantised" * 100)
+    result = pipeline.deploy(run, {"artifact": str(artefact), "selected": "int8"})
+    version = run["run_key"]
+    assert result["strategy"] == "first" and result["version"] == version
+    assert _versions(store) == {"digits": version}
+    dep = store.objects[("Deployment", "digits")]
+    assert dep["metadata"]["namespace"] == "serving"
+    assert f"/models/{version}/int8.pt" in dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert (tmp_path / "models-volume" / version / "int8.pt").read_bytes() == artefact.read_bytes()
+    rec = build_record(pipeline._admitted(run), identity, {"deploy": result})
+    assert rec["endpoint"] == "http://digits.serving.svc:8080" and rec["model_version"] == version
+    # Cleared and run again: the version already serves, nothing changes.
+    assert pipeline.deploy(run, {"artifact": str(artefact), "selected": "int8"})["strategy"] == "unchanged"

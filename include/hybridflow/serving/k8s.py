@@ -13,8 +13,14 @@ a re-run replaces what is there instead of failing on AlreadyExists.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hybridflow.config import NodePool
@@ -183,3 +189,88 @@ class InferenceRollout:
     def rollback(self) -> bool:
         """Remove the canary; the stable release kept serving. True if there was a canary."""
         return self._delete_canary()
+
+    def track(self, track: str = "stable") -> TrackStatus | None:
+        """The version a track's Deployment runs and whether all its pods serve it; None if absent."""
+        name = self.pool.endpoint if track == "stable" else f"{self.pool.endpoint}-canary"
+        try:
+            dep = self.hook.apps_v1_client.read_namespaced_deployment(name=name, namespace=self.pool.namespace)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
+            return None
+        want = dep.spec.replicas or 0
+        st = dep.status
+        ready = bool(st) and (st.observed_generation or 0) >= (dep.metadata.generation or 0) and \
+            (st.updated_replicas or 0) == want and (st.ready_replicas or 0) == want and \
+            (st.replicas or 0) == want  # no pod of an older version left
+        return TrackStatus((dep.metadata.labels or {}).get(VERSION_LABEL), ready)
+
+
+@dataclass(frozen=True)
+class TrackStatus:
+    version: str | None
+    ready: bool
+
+
+def publish_model(artifact: Path, models_dir: Path, release: Release) -> Path:
+    """Put the artefact where the serving pods read it (``<models_dir>/<version>/<variant>.pt`` on the
+    models volume), atomically: a pod never loads half a file. Re-publishing the same bytes is a no-op."""
+    target = models_dir / release.version / f"{release.variant}.pt"
+    if target.is_file() and target.stat().st_size == artifact.stat().st_size and \
+            _sha256(target) == _sha256(artifact):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part")
+    shutil.copyfile(artifact, tmp)
+    os.replace(tmp, target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def roll_out(rollout: InferenceRollout, release: Release, *, canary_percent: int, timeout_s: float,
+             poll_s: float = 5.0, log: Any = None, sleep: Callable[[float], None] = time.sleep,
+             clock: Callable[[], float] = time.monotonic) -> dict:
+    """Serve ``release`` on the pool: first release straight to stable; later ones as a canary that
+    must become ready (its pods load the model and pass the readiness probe) within ``timeout_s``
+    before it is promoted; otherwise it is rolled back and the stable version keeps serving.
+    Re-running for the version already stable changes nothing."""
+
+    def wait(track: str) -> bool:
+        deadline = clock() + timeout_s
+        while True:
+            status = rollout.track(track)
+            if status is not None and status.version == release.version and status.ready:
+                return True
+            if clock() >= deadline:
+                return False
+            sleep(poll_s)
+
+    stable = rollout.track("stable")
+    if stable is not None and stable.version == release.version:
+        rollout.rollback()  # a canary left by an interrupted try of this version
+        return {"strategy": "unchanged", "version": release.version, "previous": release.version}
+    if stable is None:
+        rollout.deploy(release)
+        if not wait("stable"):
+            raise DeploymentError(f"version {release.version} did not become ready on {rollout.pool.namespace}/"
+                                  f"{rollout.pool.endpoint} within {timeout_s:.0f} s; see its pods' events and logs")
+        return {"strategy": "first", "version": release.version, "previous": None}
+    rollout.canary(release, canary_percent)
+    if log is not None:
+        log.info("canary %s takes %d%% of %s's pods next to %s", release.version, canary_percent,
+                 rollout.pool.endpoint, stable.version)
+    if not wait("canary"):
+        rollout.rollback()
+        raise DeploymentError(f"canary {release.version} did not become ready within {timeout_s:.0f} s: rolled "
+                              f"back, {stable.version} still serves {rollout.pool.endpoint}")
+    rollout.promote(release)
+    if not wait("stable"):
+        raise DeploymentError(f"{rollout.pool.endpoint} did not finish rolling to {release.version} within "
+                              f"{timeout_s:.0f} s (the Deployment keeps old pods until new ones are ready)")
+    return {"strategy": "canary", "version": release.version, "previous": stable.version,
+            "canary_percent": canary_percent}
