@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
+from tests.unit.train_task import train_task
 
 from hybridflow.backends.local import LocalSlotPool
 from hybridflow.datasets import seed_digits
@@ -37,21 +37,7 @@ def two_private(tmp_path, monkeypatch):
 
 
 def _train_task(name: str, params: dict):
-    from hybridflow import pipeline
-    from hybridflow.operators.train import GangTrainOperator
-    from hybridflow.runs import RunIdentity
-
-    identity = RunIdentity("hybrid_training", f"manual__{name}", 1)
-    run = pipeline.admit({"cluster_preference": "private", **params}, identity)
-    placement = pipeline.choose_cluster(run)
-    staged = pipeline.stage_data(run, placement)
-    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
-    context = {
-        "dag": SimpleNamespace(dag_id=identity.dag_id),
-        "run_id": identity.run_id,
-        "ti": SimpleNamespace(try_number=1),
-        "dag_run": SimpleNamespace(triggering_user_name="test"),
-    }
+    run, placement, _, op, context = train_task(name, {"cluster_preference": "private", **params})
     return run, placement, op, context
 
 

@@ -17,6 +17,7 @@ import yaml
 from tests.unit.k8s_config import as_kubernetes
 from tests.unit.k8s_kubelet import Kubelet
 from tests.unit.k8s_sim import SimCluster, install
+from tests.unit.train_task import train_task
 
 from hybridflow.datasets import seed_digits
 from hybridflow.devenv.rclone import airflow_conn_uri
@@ -68,23 +69,8 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
 
 
 def _train_task(name: str, try_number: int = 1, **params):
-    from hybridflow import pipeline
-    from hybridflow.operators.train import GangTrainOperator
-    from hybridflow.runs import RunIdentity
-
-    identity = RunIdentity("hybrid_training", f"manual__{name}", try_number)
-    run = pipeline.admit({"cluster_preference": "private", "workers": 2, "train_steps": 40,
-                          "checkpoint_every_steps": 20, **params}, identity)
-    placement = pipeline.choose_cluster(run)
-    staged = pipeline.stage_data(run, placement)
-    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
-    context = {
-        "dag": SimpleNamespace(dag_id=identity.dag_id),
-        "run_id": identity.run_id,
-        "ti": SimpleNamespace(try_number=try_number),
-        "dag_run": SimpleNamespace(triggering_user_name="test"),
-    }
-    return run, placement, staged, op, context
+    return train_task(name, {"cluster_preference": "private", "workers": 2, "train_steps": 40,
+                             "checkpoint_every_steps": 20, **params}, try_number)
 
 
 def _execute(op, context, env) -> dict:
