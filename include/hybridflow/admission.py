@@ -57,6 +57,11 @@ class RunRequest(BaseModel):
     deploy: bool = True
     budget_override: str = Field(default="", max_length=500)  # why a critical run may start while frozen
 
+    @field_validator("budget_override", mode="before")
+    @classmethod
+    def _no_override(cls, value: Any) -> Any:
+        return "" if value is None else value  # the trigger form sends null for an empty field
+
     @field_validator("workers", "train_steps", "checkpoint_every_steps", mode="before")
     @classmethod
     def _no_bool_counts(cls, value: Any) -> Any:

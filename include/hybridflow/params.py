@@ -143,7 +143,9 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
     },
     "budget_override": {
         "default": "",
-        "type": "string",
+        # null too: the Airflow 3 trigger form treats "" in a non-nullable field as missing and
+        # will not submit, and it sends null once the field is cleared.
+        "type": ["null", "string"],
         "maxLength": 500,
         "title": "Budget override",
         "description": "Only for critical runs of a project frozen by its budget: why it must run anyway "

@@ -59,6 +59,14 @@ def test_missing_params_take_defaults(estate: Estate, private_root: Path) -> Non
     assert admit({}, estate, private_root).request == RunRequest()
 
 
+def test_budget_override_cleared_in_the_trigger_form_is_no_override(estate: Estate, private_root: Path) -> None:
+    # The Airflow 3 form sends null for a cleared field; the Param allows null for that reason.
+    from hybridflow.params import TRAINING_PARAMS
+
+    assert "null" in TRAINING_PARAMS["budget_override"]["type"]
+    assert admit({"budget_override": None}, estate, private_root).budget_override == ""
+
+
 def test_full_request_and_xcom_round_trip(estate: Estate, private_root: Path) -> None:
     raw = {
         **PARAM_DEFAULTS,
