@@ -1,0 +1,258 @@
+"""The training pipeline through the Airflow 3 UI in a real browser (headless Chromium driven by
+Playwright) on real services (airflow_stack.py): sign in, fill in the trigger form, watch the grid
+go green, clear a task from its page, and open the GPU costs page with its chart.
+
+Screenshots go to <tmp>/screenshots/NN-name.png (printed) and, if HYBRIDFLOW_SCREENSHOTS is set,
+are copied there too. Chromium is Debian's /usr/bin/chromium: Playwright never downloads a browser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+import yaml
+from tests.services.airflow_stack import REPO, AirflowStack, free_port, services_available, wait_for
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+DAG = "hybrid_training"
+NIGHTLY = "gpu_cost_nightly"
+CLEARED = "evaluate"  # cleared from the UI; it and its downstream tasks run again
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # pragma: no cover - requirements.txt has it
+    sync_playwright = None
+
+
+def _why_skip() -> str | None:
+    if sync_playwright is None:
+        return "the playwright package is not installed (scripts/bootstrap.sh)"
+    if not Path(CHROMIUM).is_file():
+        return f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)"
+    return services_available()
+
+
+_MISSING = _why_skip()
+pytestmark = [pytest.mark.services, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui-services")
+    config = root / "config"
+    shutil.copytree(REPO / "config", config)
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["serving"]["port"] = free_port()
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    with AirflowStack(root, config_dir=config) as running:
+        print(f"\nservice logs: {running.logs}")
+        running.wait_for_dag(DAG)
+        running.unpause(DAG)
+        yield running
+
+
+class Shots:
+    """Numbered screenshots, copied at once to $HYBRIDFLOW_SCREENSHOTS so a failed run keeps them."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        stable = os.environ.get("HYBRIDFLOW_SCREENSHOTS")
+        self.stable = Path(stable) if stable else None
+        if self.stable:
+            self.stable.mkdir(parents=True, exist_ok=True)
+        self.n = 0
+        print(f"\nscreenshots: {self.folder}" + (f" (and {self.stable})" if self.stable else ""))
+
+    def __call__(self, page, name: str, **kw) -> Path:
+        self.n += 1
+        path = self.folder / f"{self.n:02d}-{name}.png"
+        page.screenshot(path=path, animations="disabled", **kw)  # dialogs fade in: no half-drawn frames
+        if self.stable:
+            shutil.copy2(path, self.stable / path.name)
+        return path
+
+
+@pytest.fixture
+def page(tmp_path):
+    expect.set_options(timeout=30_000)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(30_000)
+            pg.shots = Shots(tmp_path / "screenshots")
+            yield pg
+        finally:
+            browser.close()
+
+
+def test_training_pipeline_through_the_ui(stack, page) -> None:
+    shot = page.shots
+    try:
+        _sign_in(stack, page, shot)
+        run_id = _trigger_from_the_form(stack, page, shot)
+        _watch_the_grid(stack, page, shot, run_id)
+        _clear_a_task(stack, page, shot, run_id)
+        _cost_page(stack, page, shot)
+    except Exception:
+        shot(page, "failure", full_page=True)
+        raise
+
+
+def _sign_in(stack, page, shot) -> None:
+    page.goto(stack.url + "/")
+    # Signed out, the SPA sends the browser to the simple auth manager's own login page.
+    page.wait_for_url(re.compile(r"/auth/login"))
+    expect(page.get_by_role("heading", name="Sign into Airflow")).to_be_visible()
+    page.get_by_label("Username").fill("admin")
+    page.get_by_label("Password").fill(stack.password)
+    shot(page, "login")
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(lambda url: "/auth/login" not in url)
+    expect(page.get_by_role("button", name="Browse")).to_be_visible()
+
+
+def _field(dialog, name: str):
+    # Locate by the input's name (element_<param>): string inputs get id element_<param> while their
+    # <label for> points elsewhere, so get_by_label finds only the number fields.
+    return dialog.locator('[data-scope="field"][data-part="root"]').filter(
+        has=dialog.page.locator(f'[name="element_{name}"]'))
+
+
+def _trigger_from_the_form(stack, page, shot) -> str:
+    from hybridflow.params import TRAINING_PARAMS
+
+    params = stack.api("GET", f"/dags/{DAG}/details")["params"]
+    assert set(params) == set(TRAINING_PARAMS)
+    page.goto(f"{stack.url}/dags/{DAG}")
+    page.get_by_role("button", name="Trigger Dag").click()
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text(f"Trigger Dag - {DAG}")
+    trigger = dialog.get_by_role("button", name="Trigger", exact=True)
+    # With the defaults the form is valid (a non-nullable Param whose value is "" would disable it).
+    expect(trigger).to_be_enabled()
+    for name, param in params.items():
+        title, description = param["schema"]["title"], param["description"]
+        assert (title, description) == (TRAINING_PARAMS[name]["title"], TRAINING_PARAMS[name]["description"])
+        field = _field(dialog, name)
+        expect(field).to_have_count(1)
+        expect(field.locator("label").first).to_contain_text(title)
+        expect(field.locator('[data-part="helper-text"]')).to_have_text(description)
+    shot(page, "trigger-form")
+
+    # Out of range: the number field does not keep it; on leaving the field it is clamped to the
+    # Param's maximum, without an error message, so 1000 can never be submitted.
+    workers = dialog.locator('[name="element_workers"]')
+    maximum = params["workers"]["schema"]["maximum"]
+    workers.fill("1000")
+    workers.press("Tab")
+    expect(workers).to_have_value(str(maximum))
+    # Empty: a required field; the form says so and refuses to trigger.
+    workers.fill("")
+    expect(_field(dialog, "workers")).to_contain_text("This field is required")
+    expect(trigger).to_be_disabled()
+    shot(page, "trigger-form-refused")
+    workers.fill("2")
+    expect(trigger).to_be_enabled()
+    expect(_field(dialog, "workers")).not_to_contain_text("This field is required")
+
+    dialog.locator('[name="element_train_steps"]').fill("80")
+    dialog.locator('[name="element_checkpoint_every_steps"]').fill("40")
+    deploy = dialog.get_by_role("checkbox", name="Deploy")
+    expect(deploy).to_be_checked()
+    # The checkbox itself is visually hidden under the accordion; the switch's control takes the click.
+    dialog.locator('[id="switch:element_deploy:control"]').click()
+    expect(deploy).not_to_be_checked()
+    shot(page, "trigger-form-filled")
+    trigger.click()
+    expect(dialog).to_be_hidden()
+    # The UI opens the new run's page.
+    page.wait_for_url(re.compile(rf"/dags/{DAG}/runs/[^/]+$"))
+    run_id = unquote(page.url.rsplit("/runs/", 1)[1])
+    conf = stack.api("GET", f"/dags/{DAG}/dagRuns/{run_id}")["conf"]
+    assert (conf["workers"], conf["train_steps"], conf["checkpoint_every_steps"], conf["deploy"]) == (2, 80, 40, False)
+    assert not conf["budget_override"]
+    return run_id
+
+
+def _expect_all_green(page, run_id: str, tasks: list[str]) -> None:
+    expect(page.get_by_test_id("state-badge").first).to_have_text("Success")
+    expect(page.get_by_test_id("table-cell-state")).to_have_text(["Success"] * len(tasks))
+    badges = [page.locator(f'a[id="grid-{run_id}-{t}"] [data-testid="task-state-badge"]') for t in tasks]
+    for badge in badges:
+        expect(badge).to_be_visible()
+    # Every grid square has the colour of the table's "Success" badges.
+    success = page.get_by_test_id("table-cell-state").first.get_by_test_id("state-badge")
+    colour = success.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert {b.evaluate("e => getComputedStyle(e).backgroundColor") for b in badges} == {colour}
+
+
+def _watch_the_grid(stack, page, shot, run_id: str) -> None:
+    assert stack.wait_for_run(DAG, run_id, timeout=600) == "success", stack.task_states(DAG, run_id)
+    tasks = list(stack.task_states(DAG, run_id))
+    assert set(stack.task_states(DAG, run_id).values()) == {"success"}
+    _expect_all_green(page, run_id, tasks)  # the open run page refreshes itself while the run is active
+    shot(page, "grid-success")
+
+
+def _clear_a_task(stack, page, shot, run_id: str) -> None:
+    def ti(task_id: str) -> dict:
+        return stack.api("GET", f"/dags/{DAG}/dagRuns/{run_id}/taskInstances/{task_id}")
+
+    tries_before = {t: ti(t)["try_number"] for t in ("train", CLEARED)}
+    page.locator(f'a[id="grid-{run_id}-{CLEARED}"]').click()
+    page.wait_for_url(re.compile(rf"/tasks/{CLEARED}$"))
+    # The run's page has a clear button with the same label: wait until the task's page (its log) is up.
+    expect(page.get_by_role("button", name="Log Settings")).to_be_visible()
+    page.get_by_role("button", name="Press shift+c to clear").click()  # its accessible name: the shortcut
+    dialog = page.get_by_role("dialog")
+    expect(dialog).to_contain_text(f"Clear Task Instance: {CLEARED}")
+    # Downstream is selected by default: evaluate, compress, deploy, record.
+    expect(dialog).to_contain_text("Affected Tasks: 4")
+    confirm = dialog.get_by_role("button", name="Confirm")
+    expect(confirm).to_be_enabled()
+    shot(page, "clear-dialog")
+    confirm.click()
+    expect(dialog).to_be_hidden()
+
+    wait_for(f"{CLEARED} to run again", lambda: ti(CLEARED)["try_number"] > tries_before[CLEARED], 60)
+    assert stack.wait_for_run(DAG, run_id, timeout=300) == "success", stack.task_states(DAG, run_id)
+    assert ti(CLEARED)["try_number"] == tries_before[CLEARED] + 1
+    assert ti("train")["try_number"] == tries_before["train"]  # upstream of the cleared task: not run again
+    assert set(stack.task_states(DAG, run_id).values()) == {"success"}
+    page.goto(f"{stack.url}/dags/{DAG}/runs/{run_id}")
+    _expect_all_green(page, run_id, list(stack.task_states(DAG, run_id)))
+    shot(page, "grid-success-after-clear")
+
+
+def _cost_page(stack, page, shot) -> None:
+    day = datetime.now(UTC).date().isoformat()  # the day the run above trained
+    stack.wait_for_dag(NIGHTLY)
+    stack.unpause(NIGHTLY)
+    nightly = stack.trigger(NIGHTLY, {"day": day})
+    assert stack.wait_for_run(NIGHTLY, nightly, timeout=300) == "success", stack.task_states(NIGHTLY, nightly)
+
+    page.goto(stack.url + "/")
+    page.get_by_role("button", name="Browse").click()
+    page.get_by_role("menuitem", name="GPU costs & budgets").click()
+    # A plugin page: the UI frames /hybridflow/costs, which frames the day's report.
+    page.wait_for_url(re.compile(r"/plugin/hybridflow-costs"))
+    costs = page.locator('iframe[src$="/hybridflow/costs"]').content_frame
+    expect(costs.get_by_role("heading", name="GPU costs & budgets")).to_be_visible()
+    expect(costs.get_by_text(f"Day {day}")).to_be_visible()
+    report = costs.locator(f'iframe[title="allocation report {day}"]').content_frame
+    expect(report.get_by_role("heading", name=f"GPU cost allocation, {day}")).to_be_visible()
+    chart = report.locator("svg").first
+    expect(chart).to_be_visible()
+    box = chart.bounding_box()
+    assert box and box["width"] > 100 and box["height"] > 50, box
+    shot(page, "costs-page")
