@@ -37,7 +37,7 @@ default_args = {"owner": "ml-platform", "retries": 2, "retry_delay": timedelta(m
     params={
         "period": Param(
             "",
-            type="string",
+            type=["null", "string"],  # the trigger form counts "" in a non-nullable Param as missing
             pattern="^(|[0-9]{4}-(0[1-9]|1[0-2]))$",
             title="Month (YYYY-MM)",
             description="Evaluate this month; empty: the month of the day the nightly allocation just processed "

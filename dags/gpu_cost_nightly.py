@@ -43,7 +43,8 @@ allocations = Asset(name=ALLOCATIONS_ASSET, uri="x-" + ALLOCATIONS_ASSET)
     tags=["cost", "ledger"],
     doc_md=__doc__,
     params={
-        "day": Param("", type="string", pattern="^(|[0-9]{4}-[0-9]{2}-[0-9]{2})$", title="Day (YYYY-MM-DD)",
+        # null too: the trigger form counts "" in a non-nullable Param as missing and will not submit.
+        "day": Param("", type=["null", "string"], pattern="^(|[0-9]{4}-[0-9]{2}-[0-9]{2})$", title="Day (YYYY-MM-DD)",
                      description="Allocate this UTC day; empty: the run's data interval (the day before the run)."),
     },
 )
