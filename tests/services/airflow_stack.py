@@ -34,6 +34,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def config_copy(root: Path) -> Path:
+    """The shipped config under ``root``, with a free serving port (the endpoint binds it)."""
+    import yaml
+
+    config = root / "config"
+    shutil.copytree(REPO / "config", config)
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["serving"]["port"] = free_port()
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    return config
+
+
 def _pg_admin(sql: str) -> None:
     import psycopg2
 

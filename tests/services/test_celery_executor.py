@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import yaml
-from tests.services.airflow_stack import REPO, AirflowStack, free_port, services_available
+from tests.services.airflow_stack import AirflowStack, config_copy, services_available
 
 _MISSING = services_available(redis=True)
 pytestmark = [pytest.mark.services, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
@@ -16,11 +14,7 @@ DAG = "hybrid_training"
 
 
 def test_pipeline_runs_on_celery_workers(tmp_path) -> None:
-    config = tmp_path / "config"
-    shutil.copytree(REPO / "config", config)
-    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
-    pipeline["serving"]["port"] = free_port()
-    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    config = config_copy(tmp_path)
     with AirflowStack(tmp_path, executor="CeleryExecutor", config_dir=config) as stack:
         print(f"\nservice logs: {stack.logs}")
         stack.wait_for_dag(DAG)

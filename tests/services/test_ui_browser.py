@@ -16,8 +16,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
-import yaml
-from tests.services.airflow_stack import REPO, AirflowStack, free_port, services_available, wait_for
+from tests.services.airflow_stack import AirflowStack, config_copy, services_available, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -47,11 +46,7 @@ pytestmark = [pytest.mark.services, pytest.mark.skipif(_MISSING is not None, rea
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-services")
-    config = root / "config"
-    shutil.copytree(REPO / "config", config)
-    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
-    pipeline["serving"]["port"] = free_port()
-    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    config = config_copy(root)
     with AirflowStack(root, config_dir=config) as running:
         print(f"\nservice logs: {running.logs}")
         running.wait_for_dag(DAG)
