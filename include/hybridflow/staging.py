@@ -327,8 +327,9 @@ def stage_dataset(
         else None
     )
     try:
+        # MD5s of big files the index knows are kept: one sent whole is checked by it.
         files = source.scan(
-            index, md5_max_size=big, workers=settings.hash_workers,
+            index, md5_max_size=tuning.whole_object_max, workers=settings.hash_workers,
             defer=lambda fs: {f.rel for f in fs if f.size > big} | _packed(fs, settings),
         )
     except BaseException:
@@ -396,7 +397,9 @@ def stage_dataset(
         else:
             items.append(_shard_item(name, plans.index(blob.shard), blob.shard, source, by_rel, index))
     items.extend(_shard_item(name, i, plans[i], source, by_rel, index) for i in unknown_shards)
-    items.extend(_deferred_item(name, f, source, index, big) for f in deferred)
+    # Big files hashed on the way get an MD5 too when they will go up whole (it checks the PUT).
+    md5_max = tuning.whole_object_max if tuning.sends_whole(f.size for f in deferred) else big
+    items.extend(_deferred_item(name, f, source, index, md5_max) for f in deferred)
 
     uploaded: list[Uploaded] = []
     if items:
@@ -540,9 +543,9 @@ def _label(blob: _Blob) -> str:
 
 
 def _deferred_item(name: str, f: SourceFile, source: DatasetSource, index: HashIndex, md5_max: int) -> UploadItem:
-    def digest() -> tuple[str, str]:
+    def digest() -> tuple[str, str, str | None]:
         d = source.digest(f, index, md5_max_size=md5_max)
-        return blob_key(name, d.sha256), d.sha256
+        return blob_key(name, d.sha256), d.sha256, d.md5
 
     return UploadItem(
         key="", size=f.size, sha256="", md5=None, digest=digest, label=f.rel,

@@ -359,6 +359,8 @@ class S3ObjectStore:
         extra: dict[str, Any] | None = None,
     ) -> str:
         kwargs: dict[str, Any] = dict(extra or {})
+        if hasattr(data, "seek"):
+            data.seek(0)  # a streamed body sent again (see below) starts from its first byte
         if sha256:
             kwargs["ChecksumSHA256"] = _b64(sha256)
         else:
@@ -377,10 +379,11 @@ class S3ObjectStore:
         return _check_etag(etag, md5, key)
 
     def put_verified(
-        self, key: str, data: bytes, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
+        self, key: str, data, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
     ) -> str:
         """PutObject with a checksum header; returns the ETag. Raises ValueError if the store's
-        ETag contradicts ``md5``."""
+        ETag contradicts ``md5``. ``data``: bytes, or a seekable file (then ``sha256`` is needed:
+        a CRC32C header would cost a read of the whole file before sending it)."""
         return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata)
 
     def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
