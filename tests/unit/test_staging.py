@@ -532,3 +532,42 @@ def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection
     assert [v.version for v in list_versions(store, "clidata")] == list(reversed(made))[:3]
     with pytest.raises(SystemExit, match="has no cloud cache"):
         main(["cache", "versions", "--cluster", "onprem-a", "--dataset", "clidata"])
+
+
+def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_recopied(store, tmp_path, rclone_s3):
+    big = {f"weights/{i}.bin": os.urandom(7 * MiB + i) for i in range(4)}
+    ds = _folder(tmp_path, "whole", {**big, "meta.json": b"{}"})
+    _age(ds.path)
+    tuning = TransferSettings(multipart_threshold=6 * MiB, part_size=5 * MiB, workers=4, whole_objects_min=4)
+    settings = StagingSettings(transfer=tuning, pack="never", shard_max=6 * MiB, shard_target=4 * MiB)
+    index = tmp_path / "index.json"
+    log = Requests(store.client)
+    first = _stage(ds, store, settings=settings, index_path=index)
+    ops = [op for op, _, _ in log.calls]
+    # One PutObject per file and no multipart request or HEAD after any of them.
+    assert ops.count("PutObject") >= 5 and "CreateMultipartUpload" not in ops and "UploadPart" not in ops
+    assert "HeadObject" not in ops[: ops.index("PutObject") + 5]  # HEADs only for the manifest's create-only write
+    manifest = read_manifest(store, first.manifest_key)
+    for rel, data in big.items():
+        entry = manifest.entry(rel)
+        assert fetch_verified(store, entry) == data
+        info = store.stat(entry.key)
+        assert info.etag == hashlib.md5(data).hexdigest()  # the store's ETag is the whole file's MD5
+    # A flipped byte in one cached big file: the re-stage sees it from the listing and re-copies it alone.
+    entry = manifest.entry("weights/2.bin")
+    path = _blob_file(rclone_s3, store, entry.key)
+    data = bytearray(path.read_bytes())
+    data[12345] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _settle()
+    again = _stage(ds, store, settings=settings, index_path=index)
+    assert (again.repaired, again.objects_copied, again.bytes_copied) == (1, 1, len(big["weights/2.bin"]))
+    assert fetch_verified(store, read_manifest(store, again.manifest_key).entry("weights/2.bin")) == big["weights/2.bin"]
+
+
+def test_fewer_big_files_than_whole_objects_min_still_go_up_in_parts(store, tmp_path):
+    ds = _folder(tmp_path, "parts", {"a.bin": os.urandom(7 * MiB), "b.bin": os.urandom(8 * MiB)})
+    log = Requests(store.client)
+    _stage(ds, store, settings=_multipart_settings())
+    ops = [op for op, _, _ in log.calls]
+    assert ops.count("CreateMultipartUpload") == 2 and ops.count("UploadPart") == 4
