@@ -3,8 +3,8 @@
 Small objects go up as one PutObject each and large ones as multipart uploads whose parts share a
 single thread pool with everything else, so eight big files and ten thousand small ones keep the
 same number of requests in flight; when a call holds several big objects, each goes up as one
-streamed PutObject instead (see :attr:`TransferSettings.whole_object_max`). On an S3 store every request carries Content-MD5 (checked by
-the store) and its answer's ETag is checked against the MD5 computed here. Multipart uploads are
+streamed PutObject instead (see :attr:`TransferSettings.whole_object_max`). On an S3 store every
+request carries a checksum header and its answer's ETag is checked against the MD5 computed here. Multipart uploads are
 resumable: a part the store already holds for an unfinished upload of the same key, with the same
 part size and the same MD5, is not sent again; abandoned uploads are aborted.
 
