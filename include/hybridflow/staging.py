@@ -392,7 +392,7 @@ def stage_dataset(
             items.append(UploadItem(
                 key=blob.key, size=f.size, sha256=f.sha256, md5=f.md5, label=f.rel,
                 read=lambda off, n, rel=f.rel: source.read(rel, off, n), readinto=_readinto(source, f.rel),
-                metadata={"sha256": f.sha256},
+                path=_local_path(source, f.rel), metadata={"sha256": f.sha256},
             ))
         else:
             items.append(_shard_item(name, plans.index(blob.shard), blob.shard, source, by_rel, index))
@@ -556,6 +556,11 @@ def _deferred_item(name: str, f: SourceFile, source: DatasetSource, index: HashI
 def _readinto(source: DatasetSource, rel: str):
     fill = getattr(source, "readinto", None)
     return (lambda off, buf: fill(rel, off, buf)) if fill else None
+
+
+def _local_path(source: DatasetSource, rel: str) -> str | None:
+    where = getattr(source, "local_path", None)
+    return where(rel) if where else None
 
 
 def _packed(files: list[SourceFile], settings: StagingSettings) -> set[str]:

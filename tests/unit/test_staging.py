@@ -23,11 +23,13 @@ PREFIX = "cache"
 
 
 class Requests:
-    """HTTP requests a boto3 client sends: (operation, method, Content-Length)."""
+    """HTTP requests a store sends, through boto3 and through the CRT: (operation, method,
+    Content-Length)."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, store: S3ObjectStore) -> None:
         self.calls: list[tuple[str, str, int]] = []
-        client.meta.events.register("before-send.s3", self._on_send)
+        store.client.meta.events.register("before-send.s3", self._on_send)
+        store.crt_observers.append(lambda op, method, size: self.calls.append((op, method, size)))
 
     def _on_send(self, request, **kwargs) -> None:
         op = kwargs.get("event_name", "").rsplit(".", 1)[-1]
@@ -77,7 +79,7 @@ def _blob_file(rclone_s3, store: S3ObjectStore, key: str):
 
 def test_first_stage_copies_everything_and_a_rerun_uploads_nothing(digits, store):
     sizes = {p.name: p.stat().st_size for p in digits.path.iterdir()}
-    log = Requests(store.client)
+    log = Requests(store)
     first = _stage(digits, store)
     assert (first.objects_total, first.objects_copied) == (2, 2)
     assert first.bytes_copied == sum(sizes.values())
@@ -117,7 +119,7 @@ def test_deleted_blob_is_recopied(digits, store, rclone_s3):
     entry = read_manifest(store, first.manifest_key).entry("train.csv")
     _blob_file(rclone_s3, store, entry.key).unlink()
     _settle()
-    log = Requests(store.client)
+    log = Requests(store)
     again = _stage(digits, store)
     assert (again.objects_copied, again.bytes_copied) == (1, entry.size)
     assert sum(1 for op, _, _ in log.writes if op == "PutObject") == 1  # the blob; the manifest exists
@@ -144,7 +146,7 @@ def test_corrupted_blob_is_detected_and_recopied(digits, store, rclone_s3, same_
 def test_restricted_data_never_goes_to_a_public_store(digits, store, rclone_s3):
     bucket_dir = rclone_s3[3] / store.bucket
     before = sorted(p.relative_to(bucket_dir) for p in bucket_dir.rglob("*"))
-    log = Requests(store.client)
+    log = Requests(store)
     with pytest.raises(SovereigntyError, match="restricted data never leaves private storage"):
         _stage(digits, store, sensitivity="restricted", target_location="public")
     assert log.calls == []  # not even a listing
@@ -163,33 +165,40 @@ def test_restricted_data_may_go_to_a_private_store(digits, tmp_path):
 
 
 def test_unknown_target_location_is_refused_before_any_write(digits, store):
-    log = Requests(store.client)
+    log = Requests(store)
     with pytest.raises(StagingError, match="target_location"):
         _stage(digits, store, target_location="cloud")
     assert log.calls == []
 
 
-def test_manifest_appears_only_after_every_blob(digits, store, monkeypatch):
-    real_put = store.put_verified
+@pytest.mark.parametrize("crt", [False, True], ids=["botocore", "crt"])
+def test_manifest_appears_only_after_every_blob(digits, store, monkeypatch, crt):
+    settings = StagingSettings(transfer=TransferSettings(crt=crt, workers=1, crt_window_per_worker=1))
+    method = "put_file_nowait" if crt else "put_verified"
+    real_put = getattr(store, method)
     uploads = []
     lock = threading.Lock()
 
-    def flaky_put(key, data, **kwargs):
+    def flaky_put(key, *args, **kwargs):
         with lock:
             uploads.append(key)
             fail = len(uploads) == 2
-        if fail:
+        if not fail:
+            return real_put(key, *args, **kwargs)
+        if not crt:
             raise ConnectionError("network went away")
-        return real_put(key, data, **kwargs)
+        kwargs["done"](None, ConnectionError("network went away"))  # as the CRT reports it
+        return True
 
-    monkeypatch.setattr(store, "put_verified", flaky_put)
+    monkeypatch.setattr(store, method, flaky_put)
     with pytest.raises(StagingError, match="no manifest was written"):
-        _stage(digits, store)
+        _stage(digits, store, settings=settings)
+    assert len(uploads) == 2
     assert [o.key for o in store.list("datasets/digits/versions/")] == []
     assert len(list(store.list("datasets/digits/blobs/"))) == 1
 
-    monkeypatch.setattr(store, "put_verified", real_put)
-    resumed = _stage(digits, store)
+    monkeypatch.setattr(store, method, real_put)
+    resumed = _stage(digits, store, settings=settings)
     assert resumed.objects_copied == 1  # only the blob the failed run did not copy
     assert [o.key for o in store.list("datasets/digits/versions/")] == [resumed.manifest_key]
 
@@ -272,7 +281,7 @@ def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
     assert (first.objects_copied, first.files_read) == (40, 40)
     keys = [o.key for o in store.list(blob_prefix("fan"))]
     assert len(keys) == 40 and all(k.split("/")[-2] == k.split("/")[-1][:2] for k in keys)
-    log = Requests(store.client)
+    log = Requests(store)
     written = index.stat().st_mtime_ns
     again = _stage(ds, store, settings=NO_PACK, index_path=index)
     assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
@@ -294,7 +303,7 @@ def test_a_known_big_dataset_is_listed_fanned_out_while_it_is_scanned(store, tmp
     index = tmp_path / "index.json"
     first = _stage(ds, store, settings=fanout, index_path=index)
     assert first.objects_copied == 40
-    log = Requests(store.client)
+    log = Requests(store)
     again = _stage(ds, store, settings=fanout, index_path=index)
     assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
     assert sorted({op for op, _, _ in log.calls}) == ["HeadObject", "ListObjectsV2"]
@@ -360,7 +369,7 @@ def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(st
     assert [o.key for o in store.list("datasets/big/versions/")] == []
     assert len(store.multipart_uploads(blob_prefix("big"))) == 1
     monkeypatch.setattr(store, "upload_part", real_part)
-    log = Requests(store.client)
+    log = Requests(store)
     resumed = _stage(ds, store, settings=settings)
     assert resumed.resumed_parts == 2
     part_bytes = sum(n for op, _, n in log.calls if op == "UploadPart")
@@ -394,7 +403,7 @@ def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store,
     assert {e.path for e in manifest.entries} == set(files)
     for entry in list(manifest.entries)[::37]:
         assert entry.in_shard and fetch_verified(store, entry) == files[entry.path]  # one ranged read
-    log = Requests(store.client)
+    log = Requests(store)
     assert dict(iter_samples(store, manifest)) == files  # the loader: every sample checked
     assert sum(1 for op, _, _ in log.calls if op == "GetObject") == first.shards  # a request per shard
     shard = next(b for b in manifest.blobs if b.members)
@@ -441,7 +450,7 @@ def test_stage_from_a_private_s3_bucket(store, rclone_s3, tmp_path):
     assert first.objects_copied == 30 and first.dataset == "shots"
     for entry in read_manifest(store, first.manifest_key).entries:
         assert fetch_verified(store, entry) == files[entry.path]
-    reads = Requests(private.client)
+    reads = Requests(private)
     again = _stage(source, store, settings=NO_PACK, index_path=index)
     assert again.bytes_copied == 0 and again.files_read == 0
     assert [op for op, _, _ in reads.calls] == ["ListObjectsV2"]  # one listing of the source, nothing else
@@ -453,7 +462,7 @@ def test_restricted_data_from_an_s3_source_never_reaches_a_public_store(store, r
                             secret_key=secret)
     private.ensure_bucket()
     private.put_bytes("datasets/patients/a.csv", b"x,y\n")
-    log = Requests(store.client)
+    log = Requests(store)
     with pytest.raises(SovereigntyError):
         _stage(S3DatasetSource(private, "datasets/patients"), store, sensitivity="restricted")
     assert log.calls == []
@@ -541,7 +550,7 @@ def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_rec
     tuning = TransferSettings(multipart_threshold=6 * MiB, part_size=5 * MiB, workers=4, whole_objects_min=4)
     settings = StagingSettings(transfer=tuning, pack="never", shard_max=6 * MiB, shard_target=4 * MiB)
     index = tmp_path / "index.json"
-    log = Requests(store.client)
+    log = Requests(store)
     first = _stage(ds, store, settings=settings, index_path=index)
     ops = [op for op, _, _ in log.calls]
     # One PutObject per file and no multipart request or HEAD after any of them.
@@ -567,7 +576,7 @@ def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_rec
 
 def test_fewer_big_files_than_whole_objects_min_still_go_up_in_parts(store, tmp_path):
     ds = _folder(tmp_path, "parts", {"a.bin": os.urandom(7 * MiB), "b.bin": os.urandom(8 * MiB)})
-    log = Requests(store.client)
+    log = Requests(store)
     _stage(ds, store, settings=_multipart_settings())
     ops = [op for op, _, _ in log.calls]
     assert ops.count("CreateMultipartUpload") == 2 and ops.count("UploadPart") == 4

@@ -92,6 +92,7 @@ class S3ObjectStore:
         max_concurrency: int = 4,
         max_pool_connections: int = 32,
         content_md5: bool = False,
+        crt: bool = True,
     ) -> None:
         if not bucket:
             raise ValueError("S3ObjectStore needs a bucket name")
@@ -119,6 +120,13 @@ class S3ObjectStore:
         # not MD5s, or for multipart stores that refuse part checksums.
         self.content_md5 = content_md5
         self._part_checksums: bool | None = None
+        # Small files go up through the AWS CRT where awscrt is installed (see storage.crt).
+        self._crt_wanted = crt
+        self._crt = None
+        self._boto_session = None
+        # Told (operation, method, Content-Length) of every request sent through the CRT, which
+        # botocore's event hooks do not see.
+        self.crt_observers: list[Any] = []
 
     @classmethod
     def from_spec(cls, spec: StoreSpec, **kwargs: Any) -> S3ObjectStore:
@@ -194,6 +202,7 @@ class S3ObjectStore:
             botocore_session=core,
         )
         client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        self._boto_session = session
         # No "Expect: 100-continue" on PUTs: it costs a round trip per request (most of the time
         # of a small object on a fast link) to save a body that an error answer would discard.
         from botocore.handlers import add_expect_header
@@ -386,6 +395,68 @@ class S3ObjectStore:
         a CRC32C header would cost a read of the whole file before sending it)."""
         return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata)
 
+    def crt_putter(self):
+        """The store's :class:`~hybridflow.storage.crt.CrtPutter` (created on first use), or None
+        where it cannot serve: awscrt missing, switched off, no credentials, or Content-MD5 mode
+        (the ETags of this store are not MD5s, so every write must be checked by the store)."""
+        from hybridflow.storage.crt import CrtPutter, crt_available
+
+        if not self._crt_wanted or self.content_md5 or not crt_available():
+            return None
+        import os
+
+        putter = self._crt
+        if putter is None or putter.pid != os.getpid():
+            with self._client_lock:
+                if self._crt is None or self._crt.pid != os.getpid():
+                    self.client  # noqa: B018 -- resolves the session and its credentials
+                    creds = self._boto_session.get_credentials() if self._boto_session else None
+                    if creds is None:
+                        self._crt_wanted = False
+                        return None
+
+                    def credentials(creds=creds) -> tuple[str, str, str | None]:
+                        frozen = creds.get_frozen_credentials()
+                        return frozen.access_key, frozen.secret_key, frozen.token
+
+                    self._crt = CrtPutter(
+                        bucket=self.bucket, endpoint_url=self.endpoint_url, region=self.region,
+                        credentials=credentials, connect_timeout_s=self._connect_timeout,
+                        max_attempts=self._max_attempts,
+                    )
+                putter = self._crt
+        return putter
+
+    def put_file_nowait(
+        self, key: str, path: str, *, size: int, md5: str, sha256: str | None = None,
+        metadata: dict[str, str] | None = None, done,
+    ) -> bool:
+        """Start PutObject of a local file through the CRT; False (nothing sent) where the store
+        cannot (see :meth:`crt_putter`): use :meth:`put_verified`. ``done(etag, error)`` is called
+        once from a CRT thread; ``error`` is a ValueError when the ETag contradicts ``md5``, and
+        :class:`ResendVerified` when the store's ETags turn out not to be MD5s."""
+        putter = self.crt_putter()
+        if putter is None:
+            return False
+        for observe in self.crt_observers:
+            observe("PutObject", "PUT", size)
+
+        def checked(etag: str | None, error: BaseException | None) -> None:
+            if error is None:
+                etag = _clean_etag(etag) or ""
+                if not _is_md5_etag(etag):
+                    self.content_md5 = True  # and from now on every write goes through botocore
+                    error = ResendVerified(f"{key}: the store's ETag {etag!r} is not an MD5")
+                else:
+                    try:
+                        etag = _check_etag(etag, md5, key)
+                    except ValueError as exc:
+                        error = exc
+            done(None if error else etag, error)
+
+        putter.put_file(self._key(key), str(path), size=size, sha256=sha256, metadata=metadata, done=checked)
+        return True
+
     def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
         from botocore.exceptions import ClientError
 
@@ -535,6 +606,10 @@ def _b64(hex_digest: str) -> str:
     import base64
 
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
+
+
+class ResendVerified(Exception):
+    """A CRT upload whose answer could not be checked by its ETag: send it with put_verified."""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,10 @@ class LocalFolderSource:
         index.record(f.rel, list(f.identity), digest, hashed_at)
         return digest
 
+    def local_path(self, rel: str) -> str:
+        """The file's path on this machine (the CRT reads small files itself)."""
+        return str(self.path / rel)
+
     def readinto(self, rel: str, offset: int, buf) -> int:
         with open(self.path / rel, "rb", buffering=0) as fh:
             fh.seek(offset)
