@@ -253,6 +253,7 @@ class StagingConfig(_Model):
     shard_target_mib: int = Field(default=32, ge=1)
     shard_max_mib: int = Field(default=64, ge=1)
     sha256_header: bool = True  # send x-amz-checksum-sha256 too (verified by AWS and MinIO)
+    crt: bool = True  # small local files go up through the AWS CRT (hybridflow.storage.crt)
     progress_every_s: float = Field(default=10.0, gt=0)
     abandoned_upload_age_h: float = Field(default=24.0, gt=0)
     keep_versions: int = Field(default=3, ge=3)  # what `hybridflow cache prune` keeps by default

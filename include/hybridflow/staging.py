@@ -73,6 +73,7 @@ class StagingSettings:
                 part_size=cfg.part_size_mib * _MiB,
                 max_inflight_bytes=cfg.max_inflight_mib * _MiB,
                 sha256_header=cfg.sha256_header,
+                crt=cfg.crt,
                 progress_every_s=cfg.progress_every_s,
                 abandoned_upload_age_s=cfg.abandoned_upload_age_h * 3600.0,
             ),

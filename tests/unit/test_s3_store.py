@@ -354,3 +354,52 @@ def test_a_store_whose_etags_are_not_md5s_gets_content_md5(store):
     store.put_verified("k", data, md5=hashlib.md5(data).hexdigest())
     assert store.content_md5 is True
     assert ["content-md5" in {k.lower() for k in h} for h in sent] == [False, True]  # sent again, checked
+
+
+def _put_nowait(store: S3ObjectStore, key: str, path, **kw):
+    """put_file_nowait, waited for: (etag, error)."""
+    answer: list = []
+    finished = threading.Event()
+
+    def done(etag, error):
+        answer.extend([etag, error])
+        finished.set()
+
+    data = path.read_bytes()
+    args = {"size": len(data), "md5": hashlib.md5(data).hexdigest(), "sha256": hashlib.sha256(data).hexdigest()}
+    assert store.put_file_nowait(key, str(path), **(args | kw), done=done) is True
+    assert finished.wait(30), "the CRT never answered"
+    return answer[0], answer[1]
+
+
+def test_a_file_sent_through_the_crt_lands_under_the_prefix_checked_by_its_etag(store, rclone_s3, tmp_path):
+    path = tmp_path / "sample 1+x.bin"
+    path.write_bytes(os.urandom(70_000))
+    seen = []
+    store.crt_observers.append(lambda *call: seen.append(call))
+    etag, error = _put_nowait(store, "blobs/ab/sample 1+x.bin", path, metadata={"sha256": "f00"})
+    assert error is None and etag == hashlib.md5(path.read_bytes()).hexdigest()
+    assert seen == [("PutObject", "PUT", 70_000)]
+    assert (rclone_s3[3] / store.bucket / "team/cache/blobs/ab/sample 1+x.bin").read_bytes() == path.read_bytes()
+    assert store.metadata("blobs/ab/sample 1+x.bin") == {"sha256": "f00"}
+
+    # An answer whose ETag is not the MD5 we hold means the store got other bytes.
+    etag, error = _put_nowait(store, "blobs/ab/other", path, md5="0" * 32)
+    assert etag is None and isinstance(error, ValueError) and "bytes were changed" in str(error)
+
+
+def test_a_crt_request_the_store_refuses_names_the_key_and_the_error(s3_args, tmp_path):
+    from hybridflow.storage.crt import CrtRequestError
+
+    missing = S3ObjectStore(_bucket(), **s3_args)  # never created
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"x" * 10)
+    etag, error = _put_nowait(missing, "k/x.bin", path)
+    assert etag is None and isinstance(error, CrtRequestError)
+    assert error.status == 404 and "k/x.bin" in str(error) and "NoSuchBucket" in str(error)
+
+
+def test_a_store_with_the_crt_switched_off_sends_nothing_through_it(s3_args, tmp_path):
+    off = S3ObjectStore(_bucket(), crt=False, **s3_args)
+    assert off.crt_putter() is None
+    assert off.put_file_nowait("k", str(tmp_path), size=0, md5="0" * 32, done=lambda *a: None) is False

@@ -580,3 +580,41 @@ def test_fewer_big_files_than_whole_objects_min_still_go_up_in_parts(store, tmp_
     _stage(ds, store, settings=_multipart_settings())
     ops = [op for op, _, _ in log.calls]
     assert ops.count("CreateMultipartUpload") == 2 and ops.count("UploadPart") == 4
+
+
+def test_small_files_go_up_through_the_crt_and_a_store_whose_etags_are_not_md5s_gets_them_again_checked(
+    store, tmp_path
+):
+    src = tmp_path / "small"
+    src.mkdir()
+    for i in range(12):
+        (src / f"s{i:02d}.bin").write_bytes(os.urandom(3000 + i))
+    ds = DatasetRef(uri=f"file://{src}", path=src)
+    log = Requests(store)
+    first = _stage(ds, store, settings=StagingSettings(pack="never"))
+    assert first.objects_copied == 12
+    crt_puts = [c for c in log.calls if c[0] == "PutObject" and c[2] in range(3000, 3012)]
+    assert len(crt_puts) == 12 and not store.content_md5
+
+    # A store answering ETags that are not MD5s (SSE-KMS): the CRT's answers cannot be checked,
+    # so each object is sent again through botocore under Content-MD5, which the store checks.
+    other = S3ObjectStore(f"hf-stage-{uuid.uuid4().hex[:10]}", prefix=PREFIX, endpoint_url=store.endpoint_url,
+                          access_key=store._access_key, secret_key=store._secret_key)
+    other.ensure_bucket()
+    putter = other.crt_putter()
+    real = putter.put_file
+
+    def kms_like(*args, done, **kwargs):
+        return real(*args, done=lambda etag, error: done(None if error else "3f1e-kms-etag", error), **kwargs)
+
+    putter.put_file = kms_like
+    sent = []
+    other.client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **kw: sent.append("Content-MD5" in request.headers)
+    )
+    again = _stage(ds, other, settings=StagingSettings(pack="never"))
+    assert again.objects_copied == 12 and other.content_md5
+    assert sent.count(True) >= 12  # every blob (and the manifest) checked by the store
+    manifest = read_manifest(other, again.manifest_key)
+    for entry in manifest.entries:
+        assert fetch_verified(other, entry) == (src / entry.path).read_bytes()
