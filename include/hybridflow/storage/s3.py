@@ -407,9 +407,10 @@ class S3ObjectStore:
 
         putter = self._crt
         if putter is None or putter.pid != os.getpid():
+            # Outside the lock: the client property takes the same (non-reentrant) lock.
+            self.client  # noqa: B018 -- resolves the session and its credentials
             with self._client_lock:
                 if self._crt is None or self._crt.pid != os.getpid():
-                    self.client  # noqa: B018 -- resolves the session and its credentials
                     creds = self._boto_session.get_credentials() if self._boto_session else None
                     if creds is None:
                         self._crt_wanted = False
