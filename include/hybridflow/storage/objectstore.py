@@ -198,7 +198,7 @@ class LocalObjectStore:
         self, key: str, data: bytes, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
     ) -> str:
         """Same contract as the S3 store's: write ``data`` and return its MD5 (the local 'ETag')."""
-        self.put_bytes(key, data)
+        self.put_bytes(key, data.getbuffer() if hasattr(data, "getbuffer") else data)
         return md5
 
     def put_chunks(self, key: str, chunks) -> tuple[int, str]:

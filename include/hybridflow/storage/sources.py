@@ -131,12 +131,15 @@ class LocalFolderSource:
         return str(self.path / rel)
 
     def readinto(self, rel: str, offset: int, buf) -> int:
-        with open(self.path / rel, "rb", buffering=0) as fh:
-            fh.seek(offset)
+        """Fill ``buf`` from byte ``offset`` of the file; returns the bytes read (fewer at its end)."""
+        fd = os.open(self.path / rel, os.O_RDONLY)
+        try:
             view, got = memoryview(buf), 0
-            while got < len(view) and (n := fh.readinto(view[got:])):
+            while got < len(view) and (n := os.preadv(fd, [view[got:]], offset + got)):
                 got += n
             return got
+        finally:
+            os.close(fd)
 
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes:
         with open(self.path / rel, "rb") as fh:

@@ -69,8 +69,9 @@ class UploadItem:
     Two kinds of object learn their key only inside the pipeline, so that no byte waits for a
     whole-dataset hashing pass:
 
-    - ``build`` (shards): returns ``(key, bytes, sha256 or None, md5)``; ``size`` is an upper bound
-      used for memory accounting;
+    - ``build`` (shards): packs into the buffer it is given (at least ``size`` bytes, reused from
+      one build to the next) and returns ``(key, view of the bytes, sha256 or None, md5)``;
+      ``size`` is an upper bound, used for memory accounting;
     - ``digest`` (big files not hashed yet): returns ``(key, sha256, md5 or None)`` after reading
       the file; the file then goes up (whole or in parts) unless the store already holds it.
     """
@@ -83,7 +84,7 @@ class UploadItem:
     # Fills a buffer from an offset and returns the bytes read: parts then reuse one buffer per
     # upload thread instead of faulting in a fresh allocation for every part.
     readinto: Callable[[int, bytearray], int] | None = None
-    build: Callable[[], tuple[str, bytes, str, str]] | None = None
+    build: Callable[[bytearray], tuple[str, memoryview, str | None, str]] | None = None
     digest: Callable[[], tuple[str, str, str | None]] | None = None
     label: str = ""
     # A local file holding exactly the object's bytes: the CRT then sends it without Python
@@ -350,6 +351,7 @@ class _Run:
         self.can_multipart = hasattr(self.store, "start_multipart")
         self.unfinished: dict[str, list[dict[str, Any]]] = {}  # key -> unfinished uploads found
         self.buffers = threading.local()  # one reusable part buffer per upload thread
+        self.shard_buffers: list[bytearray] = []  # free buffers for packing shards (see single)
         self.hashing = threading.Lock()
         self.whole = False  # big objects go up as one streamed PutObject each (see sends_whole)
 
@@ -402,13 +404,16 @@ class _Run:
     # -- single requests ---------------------------------------------------------------------------
     def single(self, item: UploadItem) -> None:
         self.budget.take(item.size)
+        buf = None
         try:
             if item.build is not None:
-                key, data, sha256, md5 = item.build()
+                buf = self._shard_buffer(item.size)
+                key, view, sha256, md5 = item.build(buf)
+                data = _ViewReader(view)
                 known = self.stored(key, sha256 or "", md5, item.shard) if self.stored else None
                 if known is not None:
                     self.progress.add(item.size, 1)
-                    self.done(Uploaded(key, len(data), known, 0, 0, 0, sha256 or "", md5, item.label, item.members))
+                    self.done(Uploaded(key, len(view), known, 0, 0, 0, sha256 or "", md5, item.label, item.members))
                     return
                 metadata = dict(item.metadata)
             else:
@@ -421,9 +426,23 @@ class _Run:
                 key, data, md5=md5, sha256=sha256 if self.settings.sha256_header else None, metadata=metadata
             )
         finally:
+            if buf is not None:
+                with self.lock:
+                    self.shard_buffers.append(buf)
             self.budget.give(item.size)
         self.progress.add(item.size, 1)
         self.done(Uploaded(key, len(data), etag or md5, 0, 0, len(data), sha256 or "", md5, item.label, item.members))
+
+    def _shard_buffer(self, size: int) -> bytearray:
+        """A buffer for packing a shard: one a finished shard gave back, or a new one. The byte
+        budget bounds how many shards are packed at once, so it bounds these buffers too."""
+        with self.lock:
+            for i, buf in enumerate(self.shard_buffers):
+                if len(buf) >= size:
+                    return self.shard_buffers.pop(i)
+            if self.shard_buffers:
+                self.shard_buffers.pop()  # too small: replaced, so buffers never outnumber the shards in flight
+        return bytearray(-(-size // (4 * _MiB)) * 4 * _MiB)  # rounded up: the next shard's likely fits
 
     def send_native(self, items: list[UploadItem]) -> None:
         """Small local files through the store's CRT client, fed from this one pool thread with a
