@@ -419,6 +419,18 @@ def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store,
         assert fetch_verified(store, entry) == files[entry.path]
 
 
+def test_shards_staged_into_a_private_folder_store_read_back_verified(tmp_path):
+    files = _small_files(400, 3000, seed=4)
+    ds = _folder(tmp_path, "foldered", files)
+    target = LocalObjectStore(tmp_path / "cache")
+    settings = StagingSettings(pack="always", shard_target=256 * 1024, shard_max=512 * 1024)
+    first = _stage(ds, target, target_location="private", settings=settings)
+    assert first.shards >= 3 and first.objects_copied == first.shards
+    assert dict(iter_samples(target, read_manifest(target, first.manifest_key))) == files
+    again = _stage(ds, target, target_location="private", settings=settings)
+    assert (again.objects_copied, again.version) == (0, first.version)
+
+
 def test_a_sample_corrupted_inside_a_shard_is_caught_by_the_reader(store, rclone_s3, tmp_path):
     files = _small_files(300, 4096, seed=3)
     ds = _folder(tmp_path, "shardrot", files)
