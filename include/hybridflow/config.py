@@ -1,7 +1,8 @@
-"""The estate description under ``config/``: clusters, projects and pipeline-wide defaults.
+"""The estate description under ``config/``: clusters, projects, pipeline-wide defaults, and the
+dataset catalogue and model registry (``hybridflow.catalogue``, ``hybridflow.registry``).
 
-``load_estate`` parses ``clusters.yaml``, ``projects.yaml`` and ``pipeline.yaml`` into frozen pydantic
-models and cross-checks them. Any problem raises :class:`~hybridflow.errors.ConfigError` whose message
+``load_estate`` parses ``clusters.yaml``, ``projects.yaml``, ``pipeline.yaml``, ``datasets.yaml`` and
+``models.yaml`` into frozen pydantic models and cross-checks them. Any problem raises :class:`~hybridflow.errors.ConfigError` whose message
 names the file, the key path (``clusters.cloud-east.node_pools[0].gpus``) and what to change, so an
 operator can fix the YAML without reading this code.
 """
@@ -13,16 +14,22 @@ import threading
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridflow.errors import ConfigError
 
+if TYPE_CHECKING:
+    from hybridflow.catalogue import Catalogue
+    from hybridflow.registry import Registry
+
 CLUSTERS_FILE = "clusters.yaml"
 PROJECTS_FILE = "projects.yaml"
 PIPELINE_FILE = "pipeline.yaml"
+DATASETS_FILE = "datasets.yaml"
+MODELS_FILE = "models.yaml"
 
 PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
 # Cluster names end up in Airflow pool names, connection ids and Kubernetes labels.
@@ -66,6 +73,8 @@ CheckpointPlace = Literal["private", "cache", "scratch"]
 class Cluster(_Model):
     location: Literal["private", "public"]
     region: str = Field(min_length=1)
+    # The legal area the region is in (e.g. eu, us): a dataset's ``regions`` may name either.
+    jurisdiction: str | None = Field(default=None, min_length=1)
     backend: Literal["local", "kubernetes"] = "local"
     conn_id: str | None = None  # kubernetes only: the Airflow Connection holding the kubeconfig
     scheduler: Literal["volcano", "kueue"] | None = None  # kubernetes only: the gang scheduler
@@ -94,6 +103,11 @@ class Cluster(_Model):
     @property
     def is_private(self) -> bool:
         return self.location == "private"
+
+    @property
+    def areas(self) -> tuple[str, ...]:
+        """The names a dataset's ``regions`` can allow this cluster by: its region and jurisdiction."""
+        return (self.region,) if self.jurisdiction is None else (self.region, self.jurisdiction)
 
     @property
     def k8s_namespace(self) -> str:
@@ -173,8 +187,6 @@ class ProjectsFile(_Model):
 
 
 class TrainingSettings(_Model):
-    batch_size: int = Field(default=64, gt=0)
-    learning_rate: float = Field(default=0.05, gt=0)
     gang_admission_timeout_s: int = Field(default=120, gt=0)
     checkpoint_keep: int = Field(default=3, ge=1)  # committed checkpoints kept in each place
     # Interruptible runs also checkpoint on this timer: even a reclaim without SIGTERM loses about this much.
@@ -201,17 +213,16 @@ class AdmissionSettings(_Model):
     critical_preempts_batch: bool = True
 
 
-class EvaluationSettings(_Model):
-    min_accuracy: float = Field(default=0.85, ge=0, le=1)
+class DefaultsSettings(_Model):
+    """What a run trains when its trigger names no model (its project then comes from models.yaml)."""
 
-
-class CompressionSettings(_Model):
-    max_accuracy_drop: float = Field(default=0.02, ge=0, le=1)
+    model: str | None = Field(default=None, min_length=1)
 
 
 class DataSettings(_Model):
-    min_rows: int = Field(default=100, ge=0)
-    max_rows: int = Field(default=10_000_000, gt=0)
+    # Folders file:// datasets may live in (absolute, or relative to HYBRIDFLOW_HOME); symlinks are
+    # resolved before the check. private:// datasets are always under private storage.
+    file_roots: list[str] = Field(default_factory=list)
 
 
 class KubernetesServing(_Model):
@@ -233,9 +244,8 @@ class KubernetesServing(_Model):
 
 
 class ServingSettings(_Model):
-    endpoint: str = Field(default="digits", min_length=1)
+    # The model gateway on 127.0.0.1: every model's endpoint is /v1/models/<endpoint>:predict on it.
     port: int = Field(default=8790, ge=1, le=65535)
-    smoke_min_accuracy: float = Field(default=0.85, ge=0, le=1)
     # None: serve on this machine (blue/green behind 127.0.0.1:port); else roll out on Kubernetes.
     kubernetes: KubernetesServing | None = None
 
@@ -329,10 +339,9 @@ class MeteringSettings(_Model):
 
 
 class PipelineConfig(_Model):
+    defaults: DefaultsSettings = DefaultsSettings()
     admission: AdmissionSettings = AdmissionSettings()
     training: TrainingSettings = TrainingSettings()
-    evaluation: EvaluationSettings = EvaluationSettings()
-    compression: CompressionSettings = CompressionSettings()
     data: DataSettings = DataSettings()
     serving: ServingSettings = ServingSettings()
     placement: PlacementSettings = PlacementSettings()
@@ -351,6 +360,8 @@ class Estate:
     teams: dict[str, Team]
     gpu_types: dict[str, GpuType]
     pipeline: PipelineConfig
+    datasets: Catalogue
+    models: Registry
 
     @property
     def private_clusters(self) -> list[Cluster]:
@@ -367,6 +378,14 @@ class Estate:
     def offered_gpu_models(self) -> list[str]:
         return sorted({m for c in self.clusters.values() for m in c.gpu_models})
 
+    def known_areas(self) -> list[str]:
+        """Every region and jurisdiction of the estate's clusters."""
+        return sorted({a for c in self.clusters.values() for a in c.areas})
+
+    def file_roots(self, home: Path) -> list[Path]:
+        """pipeline.yaml data.file_roots as absolute, resolved folders."""
+        return [(Path(r) if Path(r).is_absolute() else home / r).resolve() for r in self.pipeline.data.file_roots]
+
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -375,17 +394,19 @@ _cache: dict[Path, tuple[tuple, Estate]] = {}
 
 
 def load_estate(config_dir: Path, *, use_cache: bool = True) -> Estate:
-    """Parse and cross-check the three estate files in ``config_dir``.
+    """Parse and cross-check the estate files in ``config_dir``.
 
     Cached per folder and keyed by the files' mtimes and sizes, so a DAG parse loop re-reads only
     after someone edits the YAML.
     """
     config_dir = Path(config_dir).resolve()
-    files = [config_dir / n for n in (CLUSTERS_FILE, PROJECTS_FILE, PIPELINE_FILE)]
-    for f in files:
+    files = [config_dir / n for n in (CLUSTERS_FILE, PROJECTS_FILE, PIPELINE_FILE, DATASETS_FILE, MODELS_FILE)]
+    for f in files[:3]:
         if not f.is_file():
-            raise ConfigError(f"{f}: file not found; the estate needs {', '.join(p.name for p in files)}")
-    stamp = tuple((st.st_mtime_ns, st.st_size) for st in (f.stat() for f in files))
+            raise ConfigError(f"{f}: file not found; the estate needs {', '.join(p.name for p in files[:3])}")
+    # An estate that only meters or allocates may have no catalogue or registry: no dataset or model
+    # is known then, and admission says so.
+    stamp = tuple((st.st_mtime_ns, st.st_size) if (st := _stat(f)) else None for f in files)
     if use_cache:
         with _cache_lock:
             hit = _cache.get(config_dir)
@@ -397,7 +418,18 @@ def load_estate(config_dir: Path, *, use_cache: bool = True) -> Estate:
     return estate
 
 
-def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_path: Path) -> Estate:
+def _stat(path: Path):
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_path: Path, datasets_path: Path,
+           models_path: Path) -> Estate:
+    from hybridflow.catalogue import parse_catalogue
+    from hybridflow.registry import parse_registry
+
     clusters_file = _validate(ClustersFile, clusters_path)
     projects_file = _validate(ProjectsFile, projects_path)
     pipeline = _validate(PipelineConfig, pipeline_path, allow_empty=True)
@@ -410,6 +442,13 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
     problems += _check_serving(pipeline_path, pipeline.serving, clusters_file)
     if problems:
         raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
+    areas = {a for c in clusters_file.clusters.values() for a in c.areas}
+    catalogue = parse_catalogue(datasets_path, areas)
+    registry = parse_registry(models_path, catalogue.datasets, projects_file.projects)
+    model = pipeline.defaults.model
+    if model is not None and models_path.is_file() and model not in registry.models:
+        raise ConfigError(f"{pipeline_path}: defaults.model: {model!r} is not in {MODELS_FILE}; use one of: "
+                          f"{', '.join(sorted(registry.models))}")
     return Estate(
         config_dir=config_dir,
         clusters=dict(clusters_file.clusters),
@@ -417,6 +456,8 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
         teams=dict(projects_file.teams),
         gpu_types=dict(projects_file.gpu_types),
         pipeline=pipeline,
+        datasets=catalogue,
+        models=registry,
     )
 
 
@@ -530,7 +571,7 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
     for name, c in cf.clusters.items():
         at = f"clusters.{name}"
         if not _NAME_RE.match(name):
-            bad(at, "cluster names use lowercase letters, digits and '-' (they become pool and label names)")
+            bad(at, "cluster names use lowercase letters, numbers and '-' (they become pool and label names)")
         if c.backend == "kubernetes":
             for i, pool in enumerate(c.node_pools):
                 for key, value in pool.node_labels.items():
@@ -678,7 +719,7 @@ def _check_serving(path: Path, serving: ServingSettings, cf: ClustersFile) -> li
                         "mounted on the Airflow workers")
     for key in ("namespace", "models_claim"):
         if not _NAME_RE.match(getattr(k8s, key)):
-            problems.append(f"{at}.{key}: {getattr(k8s, key)!r} is not a DNS-1123 label (lowercase letters, digits, '-')")
+            problems.append(f"{at}.{key}: {getattr(k8s, key)!r} is not a DNS-1123 label (lowercase letters, numbers, '-')")
     return problems
 
 
@@ -694,7 +735,7 @@ def _check_projects(path: Path, pf: ProjectsFile) -> list[str]:
     queues: dict[str, str] = {}
     for name, team in pf.teams.items():
         if not _NAME_RE.match(name):
-            problems.append(f"{path}: teams.{name}: team names use lowercase letters, digits and '-' (they name queues)")
+            problems.append(f"{path}: teams.{name}: team names use lowercase letters, numbers and '-' (they name queues)")
         q = team.queue or name
         if q in queues:
             problems.append(f"{path}: teams.{name}.queue: {q!r} is also the queue of team {queues[q]!r}; give each team its own")
