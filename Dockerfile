@@ -29,6 +29,8 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} -r requiremen
 
 COPY pyproject.toml README.md ./
 COPY include ./include
+# The example models: importable by name (models.yaml entry points) in every service and gang pod.
+COPY examples ./examples
 RUN pip install --no-deps .
 
 COPY dags ./dags
