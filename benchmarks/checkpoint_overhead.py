@@ -1,11 +1,12 @@
 """Training throughput with background checkpoints every interval against none, on real workers.
 
 Starts ``rclone serve s3`` on 127.0.0.1 in a temp folder and runs the training worker (world size 1,
-one intra-op thread) on the digits set twice per round: once without periodic checkpoints and once
-checkpointing every ``--every`` steps to the S3 endpoint (primary) and a local folder (the replica),
-as a public cluster does. Steps/s is measured over the training loop only (the worker's
-``loop_seconds``: no interpreter start, no final checkpoint). Rounds alternate the order of the two
-runs so drift on a shared machine hits both.
+one intra-op thread) with the registered ``digits-mlp`` example model (its training function, through
+the training contract) twice per round: once without periodic checkpoints and once checkpointing
+every ``--every`` steps to the S3 endpoint (primary) and a local folder (the replica), as a public
+cluster does. Steps/s is measured over the training loop only (the worker's ``loop_steps`` and
+``loop_seconds``, between the first and the last ``ctx.log``: no interpreter start, no data loading,
+no final checkpoint). Rounds alternate the order of the two runs so drift on a shared machine hits both.
 
     .venv/bin/python benchmarks/checkpoint_overhead.py [--hidden 4096] [--every 100] [--intervals 20] [--rounds 1]
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "include"))
 
-from hybridflow.datasets import seed_digits  # noqa: E402
+from hybridflow.config import load_estate  # noqa: E402
+from hybridflow.datasets import list_relative, locate, pin_version, seed, sha256_of, split_files  # noqa: E402
 from hybridflow.devenv.rclone import RcloneS3Server  # noqa: E402
 from hybridflow.storage.objectstore import ACCESS_KEY_ENV, SECRET_KEY_ENV, StoreSpec  # noqa: E402
 from hybridflow.storage.s3 import S3ObjectStore  # noqa: E402
@@ -53,7 +55,7 @@ def run_worker(work: Path, name: str, spec: dict, endpoint: str) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO / "include"),
+        "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("include", "examples")),
         "PYTHONUNBUFFERED": "1",
         "RANK": "0",
         "WORLD_SIZE": "1",
@@ -83,8 +85,28 @@ def run_worker(work: Path, name: str, spec: dict, endpoint: str) -> dict:
         secret_key=SECRET,
     )
     result = json.loads(store.get_bytes("result.json"))
-    result["steps_per_s"] = (result["final_step"] - result["start_step"]) / result["loop_seconds"]
+    result["steps_per_s"] = result["loop_steps"] / result["loop_seconds"]
     return result
+
+
+MODEL = "digits-mlp"
+
+
+def seeded(work: Path) -> tuple[dict, dict, dict]:
+    """The example model's dataset seeded and pinned as validate_data pins it: (model, dataset, data)."""
+    from hybridflow.rundata import dataset_info
+
+    estate = load_estate(REPO / "config")
+    model = estate.models.get(MODEL)
+    entry = estate.datasets.get(model.dataset)
+    seed(entry, work / "private")
+    location = locate(entry, work / "private")
+    files = split_files(entry, list_relative(location))
+    digests = {rel: sha256_of((location.path / rel).read_bytes()) for rels in files.values() for rel in rels}
+    version = pin_version(entry.name, entry.effective_classification, location.uri, files, digests)
+    (work / "version.json").write_bytes(version.to_json())
+    data = {"kind": "local", "path": str(location.path), "version": str(work / "version.json")}
+    return model, dataset_info(entry, version, entry.effective_classification), data
 
 
 def main() -> int:
@@ -102,19 +124,18 @@ def main() -> int:
         S3ObjectStore(
             BUCKET, endpoint_url=server.endpoint_url, access_key=ACCESS, secret_key=SECRET
         ).ensure_bucket()
-        digits = seed_digits(work / "private")
+        model, dataset, data = seeded(work)
         steps = args.every * (
             args.intervals + 1
         )  # periodic checkpoints at every, 2*every, ..., intervals*every
         base = {
             "run_key": "checkpoint-bench",
-            "data": {"kind": "local", "path": str(digits.path)},
-            "train_steps": steps,
-            "batch_size": 64,
-            "learning_rate": 0.05,
+            "model": {"name": model.name, "entrypoint": model.entrypoint,
+                      "hyperparameters": {**model.defaults(), "steps": steps, "hidden": args.hidden}},
+            "dataset": dataset,
+            "data": data,
             "keep": 2,
             "log_every_steps": args.every,
-            "hidden": args.hidden,
         }
         runs: dict[str, list[dict]] = {"without": [], "with": []}
         for r in range(args.rounds):
@@ -180,7 +201,7 @@ def main() -> int:
         print(
             f"steps trained while a checkpoint was in flight: mean {statistics.mean(h['steps_in_flight'] for h in history):.1f}, "
             f"max {max(h['steps_in_flight'] for h in history)}; offers declined while busy: "
-            f"{sum(r['checkpoints']['declined_offers'] for r in runs['with'])}"
+            f"{sum(r['checkpoints'].get('declined_offers', 0) for r in runs['with'])}"
         )
         return 0
     finally:

@@ -14,13 +14,12 @@ import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import create_engine, text
+from tests.unit.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import pid_alive
-from hybridflow.datasets import seed_digits
 from hybridflow.errors import AdmissionError
 from hybridflow.settings import REPO_ROOT
 from hybridflow.storage.objectstore import LocalObjectStore
@@ -48,7 +47,7 @@ def budget_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", ledger)
-    seed_digits(home / "private")
+    seed_examples(home)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     server.received = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -98,19 +97,13 @@ def test_a_spent_budget_stops_the_running_gang_and_refuses_new_runs(budget_home)
 
     from hybridflow import pipeline
     from hybridflow.budgets.nightly import evaluate_budgets
-    from hybridflow.operators.train import GangTrainOperator
     from hybridflow.runs import RunIdentity
     from hybridflow.training.checkpoint import CheckpointStore
 
     home, config, engine, webhook = budget_home
-    identity = RunIdentity("hybrid_training", "manual__budget-freeze", 1)
     params = {"cluster_preference": "private", "priority": "batch", "interruptible": True,
-              "train_steps": 100_000, "checkpoint_every_steps": 50, "workers": 1}
-    run = pipeline.admit(params, identity)
-    placement = pipeline.choose_cluster(run)
-    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=pipeline.stage_data(run, placement))
-    context = {"dag": SimpleNamespace(dag_id=identity.dag_id), "run_id": identity.run_id,
-               "ti": SimpleNamespace(try_number=1), "dag_run": SimpleNamespace(triggering_user_name="test")}
+              "hyperparameters": {"steps": 100_000}, "checkpoint_every_steps": 50, "workers": 1}
+    run, _, _, op, context = train_task("budget-freeze", params)
     outcome: dict = {}
 
     def train() -> None:

@@ -29,16 +29,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.unit.jobs import job_spec, seed_example
+from tests.unit.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import pid_alive
-from hybridflow.datasets import seed_digits
 from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec
 from hybridflow.storage.s3 import S3ObjectStore
 
 pytestmark = [pytest.mark.s3]
 
 INCLUDE = Path(__file__).resolve().parents[2] / "include"
-HIDDEN = 1024  # 4.8 MB of model + momentum per checkpoint: writing one takes longer than K steps of training
+HIDDEN = 1024  # digits-mlp's width: 4.8 MB of model + momentum per checkpoint, longer to write than K steps
 EVERY = 25
 TRIALS = 20
 # Where each trial kills the worker: at a random time, or right after the log shows a phase began.
@@ -49,7 +50,7 @@ TARGETS = [
     ("replica", re.compile(r"writing shard \S+ .* to file://"), 0.005),
     ("random", None, 0.0),
 ]
-STEP_RE = re.compile(r"INFO step (\d+)/")
+STEP_RE = re.compile(r"INFO step (\d+) loss ")
 PHASE_RE = re.compile(
     r"checkpoint step \d+: (serialising|writing shard|writing manifest|committed in|pruning)"
 )
@@ -112,7 +113,8 @@ def _verified_steps(store) -> tuple[list[int], list[int]]:
 _FORKSERVER = r"""
 import json, os, sys
 import boto3, botocore.session, pandas, torch, torch.distributed, torch.nn.parallel
-from hybridflow.training import checkpointer, worker
+import hybridflow_examples.digits.model
+from hybridflow.training import checkpointer, context, data, worker
 for line in sys.stdin:
     req = json.loads(line)
     if "wait" in req:
@@ -212,6 +214,21 @@ class _Worker:
         self._reader.close()
 
 
+def _drill_spec(tmp_path: Path, run_key: str, primary: StoreSpec, replica: StoreSpec, **overrides) -> dict:
+    """A digits-mlp job of one worker for the drills: wide enough that a checkpoint is slow to
+    write, long enough that it is still training when killed, and logging every step."""
+    seeded = seed_example(tmp_path / "data", "digits-mlp")
+    return job_spec(seeded, tmp_path / "unused", hparams={"steps": 1_000_000, "hidden": HIDDEN}, run_key=run_key,
+                    checkpoint_store=primary.to_dict(), checkpoint_replica=replica.to_dict(),
+                    checkpoint_every_steps=EVERY, keep=2, log_every_steps=1, **overrides)
+
+
+def _steps(spec: dict, steps: int) -> dict:
+    """``spec`` training ``steps`` steps in all."""
+    model = spec["model"]
+    return {**spec, "model": {**model, "hyperparameters": {**model["hyperparameters"], "steps": steps}}}
+
+
 @pytest.fixture
 def s3_places(rclone_s3, tmp_path):
     endpoint, access, secret, _ = rclone_s3
@@ -248,20 +265,7 @@ def s3_places(rclone_s3, tmp_path):
 
 def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tmp_path):
     primary, replica, stores, server = s3_places
-    digits = seed_digits(tmp_path / "data")
-    spec = {
-        "run_key": "kill-drill",
-        "data": {"kind": "local", "path": str(digits.path)},
-        "checkpoint_store": primary.to_dict(),
-        "checkpoint_replica": replica.to_dict(),
-        "train_steps": 1_000_000,
-        "checkpoint_every_steps": EVERY,
-        "batch_size": 64,
-        "learning_rate": 0.05,
-        "keep": 2,
-        "log_every_steps": 1,
-        "hidden": HIDDEN,
-    }
+    spec = _drill_spec(tmp_path, "kill-drill", primary, replica)
     rng = random.Random(1234)
     trials: list[dict] = []
     windows: list[int] = []
@@ -316,7 +320,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
 
     # One more launch: it must resume from the last kill's newest checkpoint and finish cleanly.
     final_steps = expected_resume + 30
-    worker = _Worker(server, {**spec, "train_steps": final_steps}, tmp_path, "final")
+    worker = _Worker(server, _steps(spec, final_steps), tmp_path, "final")
     try:
         code = worker.wait()
     finally:
@@ -328,12 +332,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
 
     # Resuming is exact, so the model after 20 kills equals, bit for bit, one trained without any.
     reference = StoreSpec(kind="local", root=str(tmp_path / "reference"))
-    clean = {
-        **spec,
-        "train_steps": final_steps,
-        "checkpoint_store": reference.to_dict(),
-        "checkpoint_replica": None,
-    }
+    clean = {**_steps(spec, final_steps), "checkpoint_store": reference.to_dict(), "checkpoint_replica": None}
     worker = _Worker(server, clean, tmp_path, "reference")
     try:
         code = worker.wait()
@@ -379,20 +378,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
 
 def test_losing_the_cache_bucket_resumes_from_private_storage(s3_places, tmp_path):
     primary, replica, stores, server = s3_places
-    digits = seed_digits(tmp_path / "data")
-    spec = {
-        "run_key": "lost-cache",
-        "data": {"kind": "local", "path": str(digits.path)},
-        "checkpoint_store": primary.to_dict(),
-        "checkpoint_replica": replica.to_dict(),
-        "train_steps": 1_000_000,
-        "checkpoint_every_steps": EVERY,
-        "batch_size": 64,
-        "learning_rate": 0.05,
-        "keep": 2,
-        "log_every_steps": 1,
-        "hidden": HIDDEN,
-    }
+    spec = _drill_spec(tmp_path, "lost-cache", primary, replica)
     worker = _Worker(server, spec, tmp_path, "before")
     try:
         assert worker.wait_for(re.compile(r"(?s)committed in file://.*committed in file://"), 60), (
@@ -407,7 +393,7 @@ def test_losing_the_cache_bucket_resumes_from_private_storage(s3_places, tmp_pat
     for info in list(stores[0].list("")):  # the cloud cache loses everything of this run
         stores[0].delete(info.key)
 
-    worker = _Worker(server, {**spec, "train_steps": final + 10}, tmp_path, "after")
+    worker = _Worker(server, _steps(spec, final + 10), tmp_path, "after")
     try:
         assert worker.wait() == 0, worker.read()[-3000:]
     finally:
@@ -448,21 +434,7 @@ def test_preemption_with_stalled_storage_exits_within_grace_and_resumes_from_the
                 "HYBRIDFLOW_STORE_SECRET_KEY": secret,
             }
         )
-        digits = seed_digits(tmp_path / "data")
-        spec = {
-            "run_key": "stall-drill",
-            "data": {"kind": "local", "path": str(digits.path)},
-            "checkpoint_store": primary.to_dict(),
-            "checkpoint_replica": replica.to_dict(),
-            "train_steps": 1_000_000,
-            "checkpoint_every_steps": EVERY,
-            "batch_size": 64,
-            "learning_rate": 0.05,
-            "keep": 2,
-            "log_every_steps": 1,
-            "hidden": HIDDEN,
-            "preemption_grace_s": grace,
-        }
+        spec = _drill_spec(tmp_path, "stall-drill", primary, replica, preemption_grace_s=grace)
         worker = _Worker(forks, spec, tmp_path, "stalled")
         assert worker.wait_for(DONE_RE, 60), worker.read()[-3000:]
         os.kill(server.pid, signal.SIGSTOP)
@@ -489,9 +461,11 @@ def test_preemption_with_stalled_storage_exits_within_grace_and_resumes_from_the
         assert worker.wait(timeout=grace + 5) == 75, worker.read()[-3000:]
         assert time.monotonic() - sent < grace
         final = re.search(
-            r"preempted after step (\d+); final checkpoint committed ([\d.]+)s after SIGTERM", worker.read()
+            r"preempted after step (\d+); last checkpoint step (\d+) committed ([\d.]+)s after SIGTERM",
+            worker.read(),
         )
-        assert final and float(final.group(2)) < grace, worker.read()[-3000:]
+        assert final and final.group(1) == final.group(2), worker.read()[-3000:]
+        assert float(final.group(3)) < grace, worker.read()[-3000:]
         assert int(final.group(1)) in _verified_steps(stores[0])[0]
         assert int(final.group(1)) in _verified_steps(stores[1])[0]
     finally:
@@ -525,7 +499,7 @@ def train_home(tmp_path, monkeypatch):
     (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
-    seed_digits(home / "private")
+    seed_examples(home)
     return home, config
 
 
@@ -542,23 +516,11 @@ class _TrainTask:
 
     def __init__(self, name: str, params: dict) -> None:
         import threading
-        from types import SimpleNamespace
 
-        from hybridflow import pipeline
-        from hybridflow.operators.train import GangTrainOperator
         from hybridflow.runs import RunIdentity
 
-        self.identity = RunIdentity("hybrid_training", f"manual__{name}", 1)
-        self.run = pipeline.admit({"cluster_preference": "private", **params}, self.identity)
-        placement = pipeline.choose_cluster(self.run)
-        staged = pipeline.stage_data(self.run, placement)
-        self.op = GangTrainOperator(task_id="train", run=self.run, placement=placement, staged=staged)
-        self.context = {
-            "dag": SimpleNamespace(dag_id=self.identity.dag_id),
-            "run_id": self.identity.run_id,
-            "ti": SimpleNamespace(try_number=1),
-            "dag_run": SimpleNamespace(triggering_user_name="test"),
-        }
+        self.run, _, _, self.op, self.context = train_task(name, {"cluster_preference": "private", **params})
+        self.identity = RunIdentity.from_context(self.context)
         self.result: dict | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._execute, daemon=True)
@@ -615,7 +577,8 @@ def test_sigterm_preemption_commits_within_grace_and_the_relaunch_resumes(train_
     from hybridflow.records import build_record
 
     home, _ = train_home
-    task = _TrainTask("preempt", {"train_steps": 1500, "checkpoint_every_steps": 100, "interruptible": True})
+    task = _TrainTask("preempt", {"hyperparameters": {"steps": 1500}, "checkpoint_every_steps": 100,
+                                  "interruptible": True})
     task.start()
     gang = home / "state" / "jobs" / f"train-{task.run_key}"
     try:
@@ -663,7 +626,7 @@ def test_preemptions_beyond_the_budget_fail_the_task_clearly(train_home):
 
     home, config = train_home
     _set_training(config, preemption_retries=0)
-    task = _TrainTask("budget", {"train_steps": 5000, "checkpoint_every_steps": 100})
+    task = _TrainTask("budget", {"hyperparameters": {"steps": 5000}, "checkpoint_every_steps": 100})
     task.start()
     gang = home / "state" / "jobs" / f"train-{task.run_key}"
     try:
@@ -684,7 +647,7 @@ def test_preemptions_beyond_the_budget_fail_the_task_clearly(train_home):
 
 def test_on_kill_stops_the_gang_and_is_not_relaunched_as_a_preemption(train_home):
     home, _ = train_home
-    task = _TrainTask("on-kill", {"train_steps": 5000, "checkpoint_every_steps": 100})
+    task = _TrainTask("on-kill", {"hyperparameters": {"steps": 5000}, "checkpoint_every_steps": 100})
     task.start()
     gang = home / "state" / "jobs" / f"train-{task.run_key}"
     try:

@@ -8,12 +8,11 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
+from tests.unit.train_task import seed_examples, train_task
 
-from hybridflow.datasets import seed_digits
 from hybridflow.settings import REPO_ROOT
 
 
@@ -30,27 +29,13 @@ def small_private(tmp_path, monkeypatch):
     (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
-    seed_digits(home / "private")
+    seed_examples(home)
     return home
 
 
 class _Task:
     def __init__(self, name: str, params: dict) -> None:
-        from hybridflow import pipeline
-        from hybridflow.operators.train import GangTrainOperator
-        from hybridflow.runs import RunIdentity
-
-        identity = RunIdentity("hybrid_training", f"manual__{name}", 1)
-        self.run = pipeline.admit({"cluster_preference": "private", **params}, identity)
-        placement = pipeline.choose_cluster(self.run)
-        staged = pipeline.stage_data(self.run, placement)
-        self.op = GangTrainOperator(task_id="train", run=self.run, placement=placement, staged=staged)
-        self.context = {
-            "dag": SimpleNamespace(dag_id=identity.dag_id),
-            "run_id": identity.run_id,
-            "ti": SimpleNamespace(try_number=1),
-            "dag_run": SimpleNamespace(triggering_user_name="test"),
-        }
+        self.run, _, _, self.op, self.context = train_task(name, {"cluster_preference": "private", **params})
         self.result: dict | None = None
         self.error: BaseException | None = None
         self.finished: float | None = None
@@ -73,14 +58,18 @@ def test_critical_run_preempts_a_batch_run_which_resumes_after_it(small_private:
     from hybridflow.training.checkpoint import CheckpointStore
 
     home = small_private
-    batch = _Task("batch", {"priority": "batch", "interruptible": True, "train_steps": 120,
+    # Admitted, validated and placed up front, so the critical gang asks for the GPUs as soon as the
+    # batch gang has a checkpoint, while the batch gang still has most of its steps ahead.
+    critical = _Task("critical", {"priority": "critical", "hyperparameters": {"steps": 20},
+                                  "checkpoint_every_steps": 10})
+    batch = _Task("batch", {"priority": "batch", "interruptible": True, "hyperparameters": {"steps": 400},
                             "checkpoint_every_steps": 20}).start()
     place = CheckpointStore(LocalObjectStore(home / "private" / "checkpoints" / batch.run["run_key"]))
     deadline = time.monotonic() + 120
     while not place.committed_steps():
         assert batch.thread.is_alive() and time.monotonic() < deadline, batch.error
         time.sleep(0.1)
-    critical = _Task("critical", {"priority": "critical", "train_steps": 20, "checkpoint_every_steps": 10}).start()
+    critical.start()
     critical.thread.join(240)
     batch.thread.join(240)
     assert critical.error is None and batch.error is None, (critical.error, batch.error)
@@ -88,7 +77,7 @@ def test_critical_run_preempts_a_batch_run_which_resumes_after_it(small_private:
     first, second = batch.result["attempts"]
     assert (first["outcome"], second["outcome"]) == ("preempted", "succeeded")
     assert second["start_step"] == first["last_committed_step"] > 0  # resumed, nothing lost
-    assert batch.result["final_step"] == 120
+    assert batch.result["final_step"] == 400
     # The critical gang ran in between: it finished before the batch gang's relaunch did.
     assert critical.finished < batch.finished
     attempts = json.loads((home / "private" / "runs" / critical.run["run_key"] / "train-attempts.json").read_text())

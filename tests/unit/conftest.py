@@ -1,49 +1,29 @@
-"""Shared fixtures for unit tests: the real digits dataset and a model trained on it once."""
+"""Shared fixtures for unit tests: the digits example dataset, seeded and pinned, and a digits-mlp
+model trained on it once."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 
-def train_digits_model(dataset: Path, out: Path, steps: int = 300) -> Path:
-    """Plain single-process SGD: enough for >0.9 test accuracy on digits in about a second."""
-    import torch
-    import torch.nn.functional as F
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory):
+    """The digits dataset in a private folder with its pinned version (:class:`tests.unit.jobs.Seeded`:
+    ``.folder``, ``.frame(split)``, ``.local_source``, ``.info()``). Tests must not modify it."""
+    from tests.unit.jobs import seed_example
 
-    from hybridflow.datasets import parse_split
-    from hybridflow.training.model import build_model
-
-    x, y = parse_split((dataset / "train.csv").read_bytes())
-    xs, ys = torch.tensor(x), torch.tensor(y)
-    model = build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only fight the other test processes
-    try:
-        for _ in range(steps):
-            idx = torch.randint(0, len(xs), (64,), generator=gen)
-            loss = F.cross_entropy(model(xs[idx]), ys[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    torch.save(model.state_dict(), out)
-    return out
+    return seed_example(tmp_path_factory.mktemp("digits-private"), "digits-mlp")
 
 
 @pytest.fixture(scope="session")
-def digits_dataset(tmp_path_factory) -> Path:
-    from hybridflow.datasets import seed_digits
+def trained(digits_dataset, tmp_path_factory):
+    """(fp32 bundle folder of digits-mlp, the held-out split as a DataFrame): the registered builder's
+    module after plain single-process training on the train split, which clears the registered gate
+    (accuracy 0.85) on the held-out split. Tests must not modify either."""
+    from tests.unit import bundles
 
-    return seed_digits(tmp_path_factory.mktemp("digits-private")).path
-
-
-@pytest.fixture(scope="session")
-def trained(digits_dataset, tmp_path_factory) -> tuple[Path, Path]:
-    """(fp32 model artefact, test.csv). Tests must not modify either."""
-    model = train_digits_model(digits_dataset, tmp_path_factory.mktemp("trained") / "model.pt")
-    return model, digits_dataset / "test.csv"
+    seeded = digits_dataset
+    data = bundles.Data("digits-mlp", seeded.folder, seeded.frame("train"), seeded.frame(seeded.entry.holdout))
+    module = bundles.train("digits-mlp", data)
+    bundle = bundles.make_bundle(tmp_path_factory.mktemp("trained") / "bundle", "digits-mlp", module)
+    return bundle, data.test

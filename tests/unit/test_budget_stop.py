@@ -6,42 +6,27 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
+from tests.unit.jobs import job_spec
 
 from hybridflow.backends.local import GangJob, GangPreempted, GangStopped, LocalGangBackend
 from hybridflow.budgets.enforce import stop_interruptible_gangs
 from hybridflow.config import load_estate
-from hybridflow.datasets import seed_digits
 from hybridflow.settings import REPO_ROOT
-from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec
+from hybridflow.storage.objectstore import LocalObjectStore
 from hybridflow.training.checkpoint import CheckpointStore
 
 CLUSTER = "onprem-a"
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    return seed_digits(tmp_path_factory.mktemp("private"))
-
-
-def test_frozen_projects_interruptible_gang_checkpoints_and_stops(tmp_path, digits):
+def test_frozen_projects_interruptible_gang_checkpoints_and_stops(tmp_path, digits_dataset):
     estate = load_estate(REPO_ROOT / "config")
     state_dir = tmp_path / "state"
     cluster = estate.clusters[CLUSTER]
     backend = LocalGangBackend(state_dir, CLUSTER, cluster.total_gpus, grace_s=30)
     ckpt_root = tmp_path / "ckpt"
     checkpoints = CheckpointStore(LocalObjectStore(ckpt_root))
-    spec = {
-        "run_key": "frozen-run",
-        "data": {"kind": "local", "path": str(digits.path)},
-        "checkpoint_store": StoreSpec(kind="local", root=str(ckpt_root)).to_dict(),
-        "train_steps": 100_000,
-        "checkpoint_every_steps": 25,
-        "batch_size": 64,
-        "learning_rate": 0.05,
-        "keep": 2,
-        "log_every_steps": 1000,
-    }
+    spec = job_spec(digits_dataset, ckpt_root, hparams={"steps": 100_000}, run_key="frozen-run",
+                    checkpoint_every_steps=25, keep=2, log_every_steps=1000)
     labels = {"project": "digits-ocr", "priority": "batch", "interruptible": "true"}
     job = GangJob(name="train-frozen-run", workers=1, spec=spec, labels=labels)
     outcome: dict = {}

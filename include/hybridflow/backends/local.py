@@ -177,14 +177,20 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def _tail(path: Path, lines: int = 25, max_lines: int = 80) -> str:
+    """The log's last ``lines`` lines, or from its last traceback on (up to ``max_lines``), so a
+    training function's error reaches the task log whole."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 16384))
-            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+            fh.seek(max(0, fh.tell() - 65536))
+            text = fh.read().decode(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    if starts and len(text) - starts[-1] > lines:
+        return "\n".join(text[max(starts[-1] - 2, len(text) - max_lines):])
+    return "\n".join(text[-lines:])
 
 
 def _read_json(path: Path) -> Any:
@@ -492,7 +498,7 @@ class LocalGangBackend:
         for label, value in (("job name", job.name), ("attempt", job.attempt)):
             if not value or "/" in value or value in (".", ".."):
                 raise GangError(
-                    f"{label} {value!r} cannot name a folder; use letters, digits, '-', '_' or '.'"
+                    f"{label} {value!r} cannot name a folder; use letters, numbers, '-', '_' or '.'"
                 )
         if job.workers < 1:
             raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")

@@ -1,7 +1,7 @@
 """Dataset manifests: the commit record of one staged dataset version.
 
 Objects are stored content-addressed (``datasets/<name>/blobs/<ab>/<sha256>``, fanned out by the
-first two hex digits so no store directory holds more than a few thousand keys), so an unchanged
+first two hex characters so no store directory holds more than a few thousand keys), so an unchanged
 file is never copied twice and a version can never be half-overwritten. Small files may be packed
 into shards (tar files, themselves blobs); each file keeps its own size and SHA-256, so integrity
 stays per sample. The manifest (``datasets/<name>/versions/<version>.json``) lists every file and
@@ -28,7 +28,7 @@ class ManifestEntry:
     (``key`` is then the shard's blob and ``offset`` where the file's bytes start in it)."""
 
     path: str  # relative path inside the dataset folder, e.g. "train.csv"
-    key: str  # object key relative to the store, e.g. "datasets/digits/blobs/ab/<sha256>"
+    key: str  # object key relative to the store, e.g. "datasets/claims/blobs/ab/<sha256>"
     size: int
     sha256: str
     offset: int | None = None  # set for shard members

@@ -56,7 +56,7 @@ class DatasetSource(Protocol):
 
 
 def _skipped(rel: str) -> bool:
-    # Dot-files and *.part are in-flight writes (see seed_digits), not dataset content.
+    # Dot-files and *.part are in-flight writes (atomic writers rename them into place), not dataset content.
     return any(p.startswith(".") for p in rel.split("/")) or rel.endswith(".part")
 
 

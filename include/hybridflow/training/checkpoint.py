@@ -100,17 +100,22 @@ class PreparedCheckpoint:
         return self.manifest.step
 
 
+def check_shard_name(name: str) -> None:
+    """ValueError unless ``name`` can be a shard of a checkpoint folder."""
+    if name == MANIFEST_NAME or not _SHARD_NAME_RE.match(name):
+        raise ValueError(
+            f"shard name {name!r} is not allowed: use letters, numbers, '.', '_' or '-' "
+            f"(not starting with '.'), and not {MANIFEST_NAME}"
+        )
+
+
 def prepare(step: int, shards: Mapping[str, bytes], meta: dict | None = None) -> PreparedCheckpoint:
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     if not shards:
         raise ValueError("a checkpoint needs at least one shard")
     for name in shards:
-        if name == MANIFEST_NAME or not _SHARD_NAME_RE.match(name):
-            raise ValueError(
-                f"shard name {name!r} is not allowed: use letters, digits, '.', '_' or '-' "
-                f"(not starting with '.'), and not {MANIFEST_NAME}"
-            )
+        check_shard_name(name)
     infos = tuple(
         Shard(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
         for name, data in shards.items()
@@ -176,6 +181,38 @@ class CheckpointStore:
         self.store.put_bytes(manifest_key, prepared.manifest.to_json())
         log.debug("checkpoint step %d: committed in %s", step, self.uri)
         return prepared.manifest
+
+    def commit_manifest(self, manifest: Manifest) -> Manifest:
+        """Commit shards that other writers (the ranks of a gang) already put in this place.
+
+        The listing must show every shard the manifest names, with its size; otherwise ValueError
+        names the first gap and nothing is committed. Writing the manifest replaces any earlier
+        one of the step in a single put, so the shards must not overwrite those an earlier
+        manifest of the step names (give each attempt its own shard names)."""
+        step = manifest.step
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        if not manifest.shards:
+            raise ValueError("a checkpoint needs at least one shard")
+        prefix = step_prefix(step)
+        listed = {}
+        for info in self.store.list(f"{prefix}/"):
+            m = _KEY_RE.match(info.key)
+            if m and int(m.group(1)) == step:
+                listed[m.group(2)] = info.size
+        for shard in manifest.shards:
+            check_shard_name(shard.name)
+            if shard.name not in listed:
+                raise ValueError(f"checkpoint step {step}: shard {shard.name} is not in {self.uri}")
+            if listed[shard.name] != shard.size:
+                raise ValueError(
+                    f"checkpoint step {step}: shard {shard.name} in {self.uri} has size "
+                    f"{listed[shard.name]}, the manifest says {shard.size}"
+                )
+        log.debug("checkpoint step %d: writing manifest to %s", step, self.uri)
+        self.store.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+        log.debug("checkpoint step %d: committed in %s", step, self.uri)
+        return manifest
 
     # -- reading -----------------------------------------------------------------------------
     def _scan(self) -> dict[int, dict[str, int]]:

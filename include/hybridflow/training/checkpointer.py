@@ -100,7 +100,58 @@ def _as_place(store: ObjectStore | CheckpointStore) -> CheckpointStore:
     return store if isinstance(store, CheckpointStore) else CheckpointStore(store)
 
 
-class AsyncCheckpointer:
+class BackgroundWriter:
+    """One background thread that writes checkpoints, at most one in flight: what the full-state and
+    the sharded checkpointers share. A write's error is re-raised once, by the next wait or close."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
+                                        initializer=_lower_thread_priority)
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.history: list[dict] = []  # one entry per finished write
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    @property
+    def last_step(self) -> int | None:
+        """Newest step whose write finished."""
+        return self.history[-1]["step"] if self.history else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the write in flight. False if ``timeout`` passed first; re-raises its error."""
+        pending = self._pending
+        if pending is None:
+            return True
+        try:
+            pending.result(timeout=timeout)
+        except TimeoutError:
+            if not pending.done():
+                return False
+            self._pending = None
+            raise  # the write itself timed out (a socket or commit timeout is a TimeoutError too)
+        except BaseException:
+            self._pending = None  # reported once; the next checkpoint starts afresh
+            raise
+        self._pending = None
+        return True
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncCheckpointer(BackgroundWriter):
     """Snapshots state on the caller's thread and commits it on one background thread.
 
     At most one checkpoint is in flight. :meth:`offer` never waits: while the previous checkpoint
@@ -124,33 +175,19 @@ class AsyncCheckpointer:
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
+        super().__init__("checkpoint-upload")
         self.primary = _as_place(primary)
         self.replica = _as_place(replica) if replica is not None else None
         self.keep = keep
-        self.history: list[dict] = []  # one entry per committed checkpoint
         self.declined = 0  # offers declined because a checkpoint was still in flight
         self.primary_step: int | None = None  # newest step committed to the primary by this object
         self._serialise = serialise
         self._progress = progress
         self._snapshot = StateSnapshot()
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="checkpoint-upload", initializer=_lower_thread_priority
-        )
-        self._pending: Future | None = None
-        self._lock = threading.Lock()
 
     @property
     def written(self) -> int:
         return len(self.history)
-
-    @property
-    def last_step(self) -> int | None:
-        """Newest step committed to every place."""
-        return self.history[-1]["step"] if self.history else None
-
-    @property
-    def busy(self) -> bool:
-        return self._pending is not None and not self._pending.done()
 
     # -- the training thread -----------------------------------------------------------------
     def offer(self, step: int, shards: State, meta: dict | None = None) -> bool:
@@ -180,40 +217,10 @@ class AsyncCheckpointer:
         at = self._progress() if self._progress else step
         self._pending = self._pool.submit(self._write, step, snap, dict(meta or {}), blocked_s, waited_s, at)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the checkpoint in flight. False if ``timeout`` passed first; re-raises its error."""
-        pending = self._pending
-        if pending is None:
-            return True
-        try:
-            pending.result(timeout=timeout)
-        except TimeoutError:
-            if not pending.done():
-                return False
-            self._pending = None
-            raise  # the write itself timed out (a socket timeout is a TimeoutError too)
-        except BaseException:
-            self._pending = None  # reported once; the next checkpoint starts afresh
-            raise
-        self._pending = None
-        return True
-
     def _reap(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> AsyncCheckpointer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- the background thread ---------------------------------------------------------------
     def _write(
