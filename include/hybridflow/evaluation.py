@@ -1,101 +1,49 @@
-"""Evaluate a trained fp32 model artefact on a test split.
+"""Evaluate a trained model bundle on a held-out split with the metric its registration names.
 
-A model artefact is ``torch.save(model.state_dict())`` of :func:`hybridflow.training.model.build_model`.
-It is always read with ``weights_only=True`` so that a model file can never run code on load.
+The module is rebuilt from the bundle (the registered builder, weights loaded with
+``weights_only=True``), fed the signature's input columns in order, and its raw outputs turned into
+predictions the way the model server does (:mod:`hybridflow.scoring`), so the figure evaluate
+reports is the figure the serving smoke test checks.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from hybridflow import scoring
+from hybridflow.bundle import Predictor, inputs_and_target
+from hybridflow.registry import MetricSpec
 
-from hybridflow.datasets import parse_split
-from hybridflow.training.model import N_CLASSES
-
-
-def _reason(exc: Exception) -> str:
-    """The specific line of torch's multi-paragraph weights-only error, not its boilerplate."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[-1].startswith("Check the documentation"):
-        lines.pop()
-    return f"{type(exc).__name__}: {lines[-1][:300] if lines else ''}"
+if TYPE_CHECKING:
+    import pandas as pd
 
 
-def read_state_dict(model_path: Path) -> dict[str, Any]:
-    """Load a state dict without unpickling arbitrary objects; a clear error for anything else."""
-    import torch
-
-    model_path = Path(model_path)
-    if not model_path.is_file():
-        raise FileNotFoundError(f"model artefact {model_path} does not exist")
-    try:
-        state = torch.load(model_path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several unrelated types for a corrupt file
-        raise ValueError(
-            f"{model_path} is not a model artefact (expected torch.save(state_dict) of build_model()): "
-            f"{_reason(exc)}"
-        ) from exc
-    if not isinstance(state, dict):
-        raise ValueError(f"{model_path} holds a {type(state).__name__}, not a state dict")
-    return state
-
-
-def hidden_size(state: dict[str, Any]) -> int:
-    """The MLP width, read from the first layer so non-default widths load too."""
-    if "0.weight" in state:
-        return int(state["0.weight"].shape[0])
-    packed = state.get("0._packed_params._packed_params")  # int8 dynamic-quantized layout
-    if packed is not None:
-        return int(packed[0].shape[0])
-    raise ValueError("state dict has no first Linear layer ('0.weight'); it is not a build_model() artefact")
-
-
-def load_fp32(model_path: Path):
-    """The fp32 model in eval mode."""
-    from hybridflow.training.model import build_model
-
-    state = read_state_dict(model_path)
-    model = build_model(hidden=hidden_size(state))
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise ValueError(f"{model_path} does not match build_model(): {exc}") from exc
-    return model.eval()
-
-
-def predict_fp32(model, x: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.inference_mode():
-        return model(torch.from_numpy(np.require(x, np.float32, ["C", "W"]))).argmax(dim=1).numpy()
-
-
-def score(y_true: np.ndarray, y_pred: np.ndarray, n_classes: int = N_CLASSES) -> dict[str, Any]:
-    """Accuracy, per-class accuracy (recall) and confusion matrix (rows: true, columns: predicted)."""
-    y_true = np.asarray(y_true, dtype=np.int64)
-    y_pred = np.asarray(y_pred, dtype=np.int64)
-    if y_true.shape != y_pred.shape or y_true.size == 0:
-        raise ValueError(f"need equal, non-empty label arrays; got {y_true.shape} and {y_pred.shape}")
-    confusion = np.zeros((n_classes, n_classes), dtype=np.int64)
-    np.add.at(confusion, (y_true, y_pred), 1)
-    support = confusion.sum(axis=1)
-    per_class = {
-        str(c): (float(confusion[c, c] / support[c]) if support[c] else None) for c in range(n_classes)
+def score_predictor(predictor: Predictor, frame: pd.DataFrame) -> dict[str, Any]:
+    """The card's metric of ``predictor`` on ``frame`` (which holds the inputs and the target)."""
+    card = predictor.card
+    missing = [c for c in [*card.input_names, card.target] if c not in frame.columns]
+    if missing:
+        raise ValueError(f"the held-out split has no column {', '.join(missing[:5])}; the model's signature and "
+                         "target must be columns of its dataset")
+    x, y = inputs_and_target(frame, card)
+    predicted = predictor.predict(x)
+    spec = MetricSpec.model_validate(card.metric)
+    value = scoring.metric_value(spec.name, y, predicted, card.output)
+    report: dict[str, Any] = {
+        "model": card.model,
+        "variant": card.variant,
+        "n": int(len(y)),
+        "metric": {"name": spec.name, "value": value, "direction": spec.better, "gate": spec.gate,
+                   "passed": spec.passes(value)},
     }
-    return {
-        "accuracy": float(np.mean(y_true == y_pred)),
-        "n": int(y_true.size),
-        "per_class_accuracy": per_class,
-        "support": {str(c): int(support[c]) for c in range(n_classes)},
-        "confusion_matrix": confusion.tolist(),
-    }
+    if card.output["type"] == "class":
+        report.update(scoring.class_report(y, predicted, int(card.output["classes"])))
+    return report
 
 
-def evaluate_model(model_path: Path, test_csv: Path) -> dict[str, Any]:
-    """Score the fp32 model on ``test_csv`` (features scaled 0..1 as in training)."""
-    x, y = parse_split(Path(test_csv).read_bytes())
-    result = score(y, predict_fp32(load_fp32(model_path), x))
-    result["model_path"] = str(model_path)
-    return result
+def evaluate_bundle(bundle: Path, frame: pd.DataFrame) -> dict[str, Any]:
+    """Score the bundle (fp32 after training) on a held-out frame."""
+    report = score_predictor(Predictor.load(Path(bundle)), frame)
+    report["bundle"] = str(bundle)
+    return report

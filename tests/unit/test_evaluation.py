@@ -1,70 +1,102 @@
-"""Evaluation of a trained fp32 artefact: figures, and refusal of files that are not state dicts."""
+"""Evaluation of any model bundle with its registered metric, and bundles that load safely or not at all."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tests.unit.bundles import card, make_bundle, seed, train
 
-from hybridflow.evaluation import evaluate_model, load_fp32, score
-
-
-def test_evaluate_model_reports_accuracy_per_class_and_confusion(trained):
-    model_path, test_csv = trained
-    result = evaluate_model(model_path, test_csv)
-
-    assert result["n"] == 360
-    assert result["accuracy"] > 0.9
-    confusion = np.asarray(result["confusion_matrix"])
-    assert confusion.shape == (10, 10)
-    assert confusion.sum() == result["n"]
-    assert np.trace(confusion) / result["n"] == pytest.approx(result["accuracy"])
-    assert set(result["per_class_accuracy"]) == {str(c) for c in range(10)}
-    for c in range(10):
-        row = confusion[c]
-        assert result["per_class_accuracy"][str(c)] == pytest.approx(row[c] / row.sum())
+from hybridflow.bundle import Predictor, serialise_state, write_bundle
+from hybridflow.evaluation import evaluate_bundle
+from hybridflow.scoring import class_report, metric_value, predictions
 
 
-def test_score_handles_absent_class_and_rejects_mismatch():
-    result = score(np.array([0, 0, 1]), np.array([0, 1, 1]))
-    assert result["accuracy"] == pytest.approx(2 / 3)
-    assert result["per_class_accuracy"]["0"] == 0.5
-    assert result["per_class_accuracy"]["9"] is None  # no support, not 0
-    with pytest.raises(ValueError):
-        score(np.array([0, 1]), np.array([0]))
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    return {m: seed(m, root / m) for m in ("digits-mlp", "breast-cancer")}
 
 
-def test_load_fp32_rejects_garbage(tmp_path):
-    bad = tmp_path / "garbage.pt"
-    bad.write_bytes(os.urandom(512))
-    with pytest.raises(ValueError, match="not a model artefact"):
-        load_fp32(bad)
-    with pytest.raises(FileNotFoundError):
-        load_fp32(tmp_path / "missing.pt")
+def test_a_class_model_reports_accuracy_per_class_and_confusion(data, tmp_path):
+    frame = data["digits-mlp"].test
+    report = evaluate_bundle(make_bundle(tmp_path, "digits-mlp", train("digits-mlp", data["digits-mlp"])), frame)
+    metric = report["metric"]
+    assert metric["name"] == "accuracy" and metric["direction"] == "higher" and metric["gate"] == 0.85
+    assert metric["value"] > 0.9 and metric["passed"]
+    assert report["n"] == len(frame)
+    confusion = np.array(report["confusion_matrix"])
+    assert confusion.shape == (10, 10) and confusion.sum() == len(frame)
+    assert np.trace(confusion) / len(frame) == pytest.approx(metric["value"])
+    assert set(report["per_class_accuracy"]) == {str(c) for c in range(10)}
 
 
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
-def test_load_fp32_never_unpickles_code(tmp_path):
-    marker = tmp_path / "executed"
-    evil = tmp_path / "evil.pt"
-    torch.save({"0.weight": _Payload(marker)}, evil)
-    with pytest.raises(ValueError):
-        load_fp32(evil)
-    assert not marker.exists()
+def test_a_probability_model_is_scored_with_roc_auc(data, tmp_path):
+    frame = data["breast-cancer"].test
+    report = evaluate_bundle(make_bundle(tmp_path, "breast-cancer", train("breast-cancer", data["breast-cancer"])),
+                             frame)
+    assert report["metric"]["name"] == "roc_auc" and report["metric"]["value"] >= 0.95 and report["metric"]["passed"]
+    assert "confusion_matrix" not in report  # a confusion matrix belongs to class outputs
 
 
-def test_load_fp32_rejects_other_architecture(tmp_path):
-    other = tmp_path / "other.pt"
-    torch.save(torch.nn.Sequential(torch.nn.Linear(64, 10)).state_dict(), other)
-    with pytest.raises(ValueError, match="does not match build_model"):
-        load_fp32(other)
+def test_an_untrained_model_misses_its_gate(data, tmp_path):
+    report = evaluate_bundle(make_bundle(tmp_path, "breast-cancer", train("breast-cancer", data["breast-cancer"], steps=0)),
+                             data["breast-cancer"].test)
+    assert not report["metric"]["passed"] and report["metric"]["value"] < 0.95
+
+
+def test_a_frame_without_the_signature_columns_is_refused(data, tmp_path):
+    bundle = make_bundle(tmp_path, "digits-mlp", train("digits-mlp", data["digits-mlp"], steps=0))
+    with pytest.raises(ValueError, match="no column pixel_0"):
+        evaluate_bundle(bundle, data["digits-mlp"].test.drop(columns=["pixel_0"]))
+
+
+def test_scoring_outputs_and_metrics():
+    assert predictions(np.array([[0.1, 2.0], [3.0, -1.0]]), {"type": "class", "classes": 2}).tolist() == [1, 0]
+    assert predictions(np.array([[0.0], [100.0]]), {"type": "probability"}) == pytest.approx([0.5, 1.0])
+    assert predictions(np.array([[0.0, 0.0]]), {"type": "probability"}) == pytest.approx([0.5])
+    with pytest.raises(ValueError, match=r"\[n, 3\]"):
+        predictions(np.zeros((2, 2)), {"type": "class", "classes": 3})
+    with pytest.raises(ValueError, match="one value per row"):
+        predictions(np.zeros((2, 3)), {"type": "value"})
+    out = {"type": "probability"}
+    assert metric_value("roc_auc", np.array([0, 1, 1]), np.array([0.1, 0.8, 0.9]), out) == 1.0
+    assert metric_value("accuracy", np.array([0, 1]), np.array([0.4, 0.4]), out) == 0.5
+    with pytest.raises(ValueError, match="both classes"):
+        metric_value("roc_auc", np.array([1, 1]), np.array([0.3, 0.9]), out)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        metric_value("accuracy", np.array([1, 2]), np.array([1]), {"type": "class", "classes": 3})
+    report = class_report(np.array([0, 0, 2]), np.array([0, 1, 2]), 4)
+    assert report["per_class_accuracy"] == {"0": 0.5, "1": None, "2": 1.0, "3": None}
+
+
+def test_garbage_weights_are_refused(tmp_path):
+    write_bundle(tmp_path, b"not a torch file", card("digits-mlp"))
+    with pytest.raises(ValueError, match="not a saved state dict"):
+        Predictor.load(tmp_path)
+
+
+def test_weights_never_unpickle_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"x": Evil()}, buf)
+    write_bundle(tmp_path, buf.getvalue(), card("digits-mlp"))
+    with pytest.raises(ValueError, match="not a saved state dict"):
+        Predictor.load(tmp_path)
+
+
+def test_weights_of_another_shape_are_refused(data, tmp_path):
+    module = train("breast-cancer", data["breast-cancer"], steps=0)
+    write_bundle(tmp_path, serialise_state(module), card("digits-mlp"))
+    with pytest.raises(ValueError, match="do not fit hybridflow_examples.digits.model:build"):
+        Predictor.load(tmp_path)
+
+
+def test_a_folder_without_a_card_is_not_a_bundle(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a model bundle"):
+        Predictor.load(tmp_path)

@@ -1,10 +1,16 @@
-"""Serving on Kubernetes: Deployment + Service + canary manifests are valid Kubernetes objects, the
-Service sends traffic to both tracks, and deploy -> canary -> promote / rollback leaves the right
+"""Serving on Kubernetes: Deployment + Service + canary manifests are valid Kubernetes objects named
+after the endpoint, the Service sends traffic to both tracks, the pods' server command serves the bundle
+publish_model put on the models volume, and deploy -> canary -> promote / rollback leaves the right
 objects behind (applied through KubernetesHook's clients, re-runnable)."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import threading
+import urllib.request
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -14,6 +20,7 @@ from hybridflow.config import NodePool
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.k8s import (
     ENDPOINT_LABEL,
+    MODELS_MOUNT,
     TRACK_LABEL,
     InferencePool,
     InferenceRollout,
@@ -49,11 +56,30 @@ def test_manifests_are_valid_and_the_service_reaches_both_tracks():
     assert not _matches(stable["spec"]["selector"]["matchLabels"], canary["spec"]["template"]["metadata"]["labels"])
     pod = stable["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"hybridflow.io/pool": "inference"}
-    command = pod["containers"][0]["command"]
-    assert "/models/v1/int8.pt" in command
+    container = pod["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "hybridflow.serving.server"]
+    assert command[command.index("--bundle") + 1] == "/models/digits/v1/int8"
+    assert command[command.index("--endpoint") + 1] == "digits" and command[command.index("--version") + 1] == "v1"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert canary["spec"]["template"]["spec"]["containers"][0]["command"][command.index("--bundle") + 1] == \
+        "/models/digits/v2/fp16"
     # In a pod the server must listen on the pod IP, where the Service and the probes reach it.
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert stable["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert (stable["metadata"]["name"], canary["metadata"]["name"], svc["metadata"]["name"]) == \
+        ("digits", "digits-canary", "digits")
+
+
+def test_names_follow_the_endpoint():
+    import dataclasses
+
+    pool = dataclasses.replace(POOL, endpoint="breast-cancer")
+    assert stable_deployment(pool, V1)["metadata"]["name"] == "breast-cancer"
+    assert canary_deployment(pool, V2, 10)["metadata"]["name"] == "breast-cancer-canary"
+    assert service(pool)["spec"]["selector"] == {ENDPOINT_LABEL: "breast-cancer"}
+    command = stable_deployment(pool, V1)["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "/models/breast-cancer/v1/int8" in command and "breast-cancer" in command
 
 
 def test_canary_share_follows_its_replicas():
@@ -192,14 +218,80 @@ def test_canary_that_never_gets_ready_is_rolled_back(rollout):
     assert _versions(store) == {"digits": "v1"}
 
 
-def test_published_model_is_written_once_and_atomically(tmp_path):
-    artefact = tmp_path / "model-int8.pt"
-    artefact.write_bytes(b"weights" * 1000)
-    target = publish_model(artefact, tmp_path / "models", V1)
-    assert target == tmp_path / "models" / "v1" / "int8.pt" and target.read_bytes() == artefact.read_bytes()
-    mtime = target.stat().st_mtime_ns
-    assert publish_model(artefact, tmp_path / "models", V1).stat().st_mtime_ns == mtime  # same bytes: untouched
-    assert not list((tmp_path / "models" / "v1").glob(".*.part"))
+def _bundle(folder: Path, variant: str = "int8", version: str = "v1") -> Path:
+    """A digits bundle (untrained weights are enough to load and serve)."""
+    from tests.unit.bundles import card
+
+    from hybridflow import bundle
+
+    c = card("digits-mlp", variant=variant, version=version)
+    module = bundle.convert(bundle.build_module(c), variant)
+    return bundle.write_bundle(folder, bundle.serialise_state(module), c)
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def test_published_bundle_is_written_once_and_atomically(tmp_path):
+    source = _bundle(tmp_path / "bundle")
+    models = tmp_path / "models"
+    target = publish_model(source, models, "digits", V1)
+    assert target == models / "digits" / "v1" / "int8"
+    assert {n: b for n, (_, b) in _tree(target).items()} == {p.name: p.read_bytes() for p in source.iterdir()}
+    before = _tree(target)
+    assert publish_model(source, models, "digits", V1) == target and _tree(target) == before  # same bytes: untouched
+    # Different bytes for the same release (e.g. a retrained retry) replace the folder as a whole.
+    _bundle(source, version="v1-retrained")
+    publish_model(source, models, "digits", V1)
+    assert json.loads((target / "model.json").read_text())["version"] == "v1-retrained"
+    assert sorted(os.listdir(target.parent)) == ["int8"]  # no temporary or stale folders left
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"release": Release("v1", "fp16", "ghcr.io/example/serve:1")}, "^variant: the bundle .* is int8"),
+    ({"endpoint": "Digits_Model"}, "^endpoint:"),
+    ({"release": Release("v 1", "int8", "ghcr.io/example/serve:1")}, "^version:"),
+    ({"source": "missing"}, "not a model bundle"),
+])
+def test_publish_refuses_what_pods_could_not_serve(tmp_path, change, match):
+    source = _bundle(tmp_path / "bundle")
+    args = {"source": source, "endpoint": "digits", "release": V1, **change}
+    if args["source"] == "missing":
+        args["source"] = tmp_path / "missing"
+    with pytest.raises(DeploymentError, match=match):
+        publish_model(args["source"], tmp_path / "models", args["endpoint"], args["release"])
+    assert not (tmp_path / "models").exists()
+
+
+def test_the_pods_command_serves_the_published_bundle(tmp_path):
+    """The Deployment's server arguments, with the mount read as the folder publish_model wrote to,
+    start the model server on the published bundle and answer under the endpoint's path."""
+    from hybridflow.serving.server import build_server
+
+    models = tmp_path / "models"
+    publish_model(_bundle(tmp_path / "bundle"), models, "digits", V1)
+    command = stable_deployment(POOL, V1)["spec"]["template"]["spec"]["containers"][0]["command"]
+    args = dict(zip(command[3::2], command[4::2], strict=True))
+    assert set(args) == {"--bundle", "--endpoint", "--version", "--port", "--host"}
+    bundle_dir = models / Path(args["--bundle"]).relative_to(MODELS_MOUNT)
+    server = build_server(bundle_dir, args["--endpoint"], args["--version"], 0, "127.0.0.1")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with urllib.request.urlopen(f"{base}/healthz", timeout=10) as resp:
+            health = json.loads(resp.read())
+        assert (health["endpoint"], health["version"], health["variant"]) == ("digits", "v1", "int8")
+        req = urllib.request.Request(f"{base}/v1/models/digits:predict", method="POST",
+                                     data=json.dumps({"instances": [[0] * 64]}).encode())
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = json.loads(resp.read())
+        assert body["version"] == "v1" and len(body["predictions"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def _k8s_serving_estate(tmp_path, monkeypatch):
@@ -207,8 +299,8 @@ def _k8s_serving_estate(tmp_path, monkeypatch):
 
     import yaml
     from tests.unit.k8s_config import as_kubernetes
+    from tests.unit.train_task import seed_examples
 
-    from hybridflow.datasets import seed_digits
     from hybridflow.settings import REPO_ROOT
 
     config = tmp_path / "config"
@@ -228,7 +320,7 @@ def _k8s_serving_estate(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
     monkeypatch.setenv("AIRFLOW_CONN_K8S_PRIVATE", "kubernetes://")
-    seed_digits(tmp_path / "home" / "private")
+    seed_examples(tmp_path / "home")
 
 
 def test_deploy_step_rolls_the_compressed_model_out_on_the_kubernetes_pool(tmp_path, monkeypatch, rollout):
@@ -240,17 +332,18 @@ def test_deploy_step_rolls_the_compressed_model_out_on_the_kubernetes_pool(tmp_p
     _k8s_serving_estate(tmp_path, monkeypatch)
     identity = RunIdentity("hybrid_training", "manual__serve-1", 1)
     run = pipeline.admit({}, identity)
-    artefact = tmp_path / "int8.pt"
-    artefact.write_bytes(b"quantised" * 100)
-    result = pipeline.deploy(run, {"artifact": str(artefact), "selected": "int8"})
     version = run["run_key"]
+    compressed = {"bundle": str(_bundle(tmp_path / "int8", "int8", version)), "selected": "int8"}
+    result = pipeline.deploy(run, compressed)
     assert result["strategy"] == "first" and result["version"] == version
-    assert _versions(store) == {"digits": version}
+    assert _versions(store) == {"digits": version}  # the model's endpoint names the Deployment
     dep = store.objects[("Deployment", "digits")]
     assert dep["metadata"]["namespace"] == "serving"
-    assert f"/models/{version}/int8.pt" in dep["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert (tmp_path / "models-volume" / version / "int8.pt").read_bytes() == artefact.read_bytes()
+    command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"/models/digits/{version}/int8" in " ".join(command)
+    published = tmp_path / "models-volume" / "digits" / version / "int8"
+    assert _tree(published).keys() == _tree(Path(compressed["bundle"])).keys()
     rec = build_record(pipeline._admitted(run), identity, {"deploy": result})
-    assert rec["endpoint"] == "http://digits.serving.svc:8080" and rec["model_version"] == version
+    assert rec["endpoint"] == "http://digits.serving.svc:8080/v1/models/digits" and rec["model_version"] == version
     # Cleared and run again: the version already serves, nothing changes.
-    assert pipeline.deploy(run, {"artifact": str(artefact), "selected": "int8"})["strategy"] == "unchanged"
+    assert pipeline.deploy(run, compressed)["strategy"] == "unchanged"

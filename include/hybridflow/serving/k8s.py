@@ -6,6 +6,11 @@ requests is its share of ready pods. Promote makes the canary's release the stab
 Deployment rolls to it with surge, never dropping below its replica count) and removes the canary;
 rollback removes the canary and leaves the stable release serving throughout.
 
+Every pod runs the model server on a model bundle published to the models volume at
+``<mount>/<endpoint>/<version>/<variant>/`` (:func:`publish_model`); Deployments and the Service are
+named after the endpoint (the model's serving endpoint), and a pod is ready once its server loaded
+the bundle and answers ``/healthz``.
+
 Manifests are pure functions (validated in tests with kubernetes-validate); :class:`InferenceRollout`
 applies them through the provider's hook (``apps_v1_client`` / ``core_v1_client``), idempotently:
 a re-run replaces what is there instead of failing on AlreadyExists.
@@ -17,12 +22,14 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.bundle import VARIANTS
 from hybridflow.config import NodePool
 from hybridflow.errors import DeploymentError
 
@@ -43,7 +50,7 @@ class InferencePool:
     endpoint: str
     namespace: str
     pool: NodePool
-    models_claim: str  # PersistentVolumeClaim on private storage holding <version>/<variant>.pt
+    models_claim: str  # PersistentVolumeClaim on private storage holding <endpoint>/<version>/<variant>/
     replicas: int = 2
     port: int = 8080
     gpus_per_replica: int = 1
@@ -63,7 +70,7 @@ class InferencePool:
 
 @dataclass(frozen=True)
 class Release:
-    """One model version as served: image, version and quantised variant."""
+    """One model version as served: image, version and the bundle's variant (fp32 | int8 | fp16)."""
 
     version: str
     variant: str
@@ -72,10 +79,15 @@ class Release:
     def check(self) -> None:
         if not _VERSION_RE.match(self.version or ""):
             raise DeploymentError(f"version: {self.version!r} must be a Kubernetes label value (e.g. v3)")
-        if self.variant not in ("int8", "fp16", "fp32"):
-            raise DeploymentError(f"variant: {self.variant!r} is not one of fp32, fp16, int8")
+        if self.variant not in VARIANTS:
+            raise DeploymentError(f"variant: {self.variant!r} is not one of {', '.join(VARIANTS)}")
         if not self.image or any(c.isspace() for c in self.image):
             raise DeploymentError(f"image: {self.image!r} is not a container image reference")
+
+
+def bundle_path(root: str | Path, endpoint: str, release: Release) -> str:
+    """Where a release's bundle lives under the models volume (the mount in a pod, the folder here)."""
+    return f"{root}/{endpoint}/{release.version}/{release.variant}"
 
 
 def _deployment(pool: InferencePool, release: Release, track: str, replicas: int) -> dict:
@@ -88,8 +100,8 @@ def _deployment(pool: InferencePool, release: Release, track: str, replicas: int
         "name": "server",
         "image": release.image,
         "command": ["python", "-m", "hybridflow.serving.server",
-                    "--model", f"{MODELS_MOUNT}/{release.version}/{release.variant}.pt",
-                    "--variant", release.variant, "--version", release.version, "--port", str(pool.port),
+                    "--bundle", bundle_path(MODELS_MOUNT, pool.endpoint, release),
+                    "--endpoint", pool.endpoint, "--version", release.version, "--port", str(pool.port),
                     "--host", "0.0.0.0"],  # noqa: S104 - the pod's Service and probes reach it on the pod IP
         "ports": [{"name": "http", "containerPort": pool.port}],
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5},
@@ -213,18 +225,69 @@ class TrackStatus:
     ready: bool
 
 
-def publish_model(artifact: Path, models_dir: Path, release: Release) -> Path:
-    """Put the artefact where the serving pods read it (``<models_dir>/<version>/<variant>.pt`` on the
-    models volume), atomically: a pod never loads half a file. Re-publishing the same bytes is a no-op."""
-    target = models_dir / release.version / f"{release.variant}.pt"
-    if target.is_file() and target.stat().st_size == artifact.stat().st_size and \
-            _sha256(target) == _sha256(artifact):
+def publish_model(bundle_dir: Path, models_dir: Path, endpoint: str, release: Release) -> Path:
+    """Put the model bundle where the serving pods read it (``<models_dir>/<endpoint>/<version>/<variant>/``
+    on the models volume), atomically: it is copied into a temporary folder (the card last) that is then
+    renamed into place, so a pod never loads half a bundle. Re-publishing the same bytes is a no-op."""
+    from hybridflow.bundle import CARD_FILE, WEIGHTS_FILE, read_card
+
+    release.check()
+    if not _DNS_RE.match(endpoint or "") or len(endpoint) > 50:
+        raise DeploymentError(f"endpoint: {endpoint!r} is not a DNS-1123 label of at most 50 characters")
+    bundle_dir = Path(bundle_dir)
+    try:
+        card = read_card(bundle_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise DeploymentError(f"cannot publish {bundle_dir}: {exc}") from exc
+    if card.variant != release.variant:
+        raise DeploymentError(f"variant: the bundle {bundle_dir} is {card.variant}, the release says {release.variant}")
+    if not (bundle_dir / WEIGHTS_FILE).is_file():
+        raise DeploymentError(f"cannot publish {bundle_dir}: it has no {WEIGHTS_FILE}")
+    files = sorted((p.name for p in bundle_dir.iterdir() if p.is_file() and not p.name.startswith(".")),
+                   key=lambda name: name == CARD_FILE)  # the card last
+    target = Path(bundle_path(models_dir, endpoint, release))
+    if _same_files(bundle_dir, target, files):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    shutil.copyfile(artifact, tmp)
-    os.replace(tmp, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent))
+    old = None
+    try:
+        for name in files:
+            _copy_synced(bundle_dir / name, tmp / name)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the bundle from the pods' user
+        if target.exists():
+            # A directory cannot be renamed over a non-empty one: move the stale copy aside first.
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, old / "bundle")
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                os.replace(old / "bundle", target)  # put the previous copy back rather than leave none
+                raise
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _copy_synced(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.chmod(dst, 0o644)
+
+
+def _same_files(src: Path, dst: Path, files: list[str]) -> bool:
+    if not dst.is_dir():
+        return False
+    present = sorted(p.name for p in dst.iterdir() if p.is_file() and not p.name.startswith("."))
+    if present != sorted(files):
+        return False
+    return all((dst / n).stat().st_size == (src / n).stat().st_size and _sha256(dst / n) == _sha256(src / n)
+               for n in files)
 
 
 def _sha256(path: Path) -> str:

@@ -1,11 +1,13 @@
-"""The stable endpoint: forwards every request to the active model version.
+"""The model gateway: one stable port on 127.0.0.1 in front of every endpoint's active version.
 
-    python -m hybridflow.serving.router --state-dir D --port P
+    python -m hybridflow.serving.router --state-root ROOT --port P
 
-``D/active.json`` (``{"version": ..., "url": "http://127.0.0.1:PORT"}``) is re-read on every request,
-so a deployer switches traffic by atomically replacing that file; the router holds no state.
-``GET /healthz`` answers for the router itself (``"router": true``, its state dir) and reports the
-active version; 503 with a JSON error while there is no usable backend.
+``/v1/models/<endpoint>...`` is forwarded to the backend named by ``ROOT/<endpoint>/active.json``
+(``{"version": ..., "url": "http://127.0.0.1:PORT"}``), re-read on every request, so a deployer
+switches an endpoint's traffic by atomically replacing that file; the gateway holds no state.
+``GET /healthz`` answers for the gateway itself (``"router": true``, its state root, the endpoints
+it knows with their active versions); an unknown endpoint gets 404 naming the known ones, an endpoint
+without an active version 503.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import http.client
 import json
 import os
+import re
 import sys
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -22,54 +26,82 @@ from urllib.parse import urlsplit
 
 HOST = "127.0.0.1"
 ACTIVE_FILE = "active.json"
+VERSIONS_DIR = "versions"
+MODELS_PREFIX = "/v1/models/"
 FORWARD_TIMEOUT_S = 30.0
-HEALTH_TIMEOUT_S = 3.0
-MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024  # the backend applies its own, signature-sized limit
+# Endpoint names as the registry allows them; anything else can never name a folder under the root.
+ENDPOINT_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 
 class NoBackend(Exception):
     pass
 
 
+def known_endpoints(state_root: Path) -> list[str]:
+    """Endpoints something was ever deployed to under ``state_root``."""
+    try:
+        entries = list(state_root.iterdir())
+    except OSError:
+        return []
+    return sorted(p.name for p in entries
+                  if ENDPOINT_RE.match(p.name) and ((p / VERSIONS_DIR).is_dir() or (p / ACTIVE_FILE).is_file()))
+
+
 def read_active(state_dir: Path) -> dict[str, Any]:
-    """The active backend, or NoBackend saying why there is none."""
+    """The endpoint's active backend, or NoBackend saying why there is none."""
     try:
         active = json.loads((state_dir / ACTIVE_FILE).read_text())
     except FileNotFoundError as exc:
-        raise NoBackend("no model version is active on this endpoint yet; deploy one") from exc
+        raise NoBackend(f"no version of {state_dir.name} is active; deploy one") from exc
     except (OSError, ValueError) as exc:
         raise NoBackend(f"{state_dir / ACTIVE_FILE} is unreadable: {exc}") from exc
     url = active.get("url") if isinstance(active, dict) else None
     parts = urlsplit(url) if isinstance(url, str) else None
-    # Only loopback backends: active.json must never turn the router into an open proxy.
-    if not parts or parts.scheme != "http" or parts.hostname != HOST or not parts.port:
+    # Only loopback backends: active.json must never turn the gateway into an open proxy.
+    try:
+        port = parts.port if parts else None
+    except ValueError:
+        port = None
+    if not parts or parts.scheme != "http" or parts.hostname != HOST or not port:
         raise NoBackend(f"{state_dir / ACTIVE_FILE} names no http://127.0.0.1:PORT backend (url={url!r})")
-    return {"version": str(active.get("version")), "host": parts.hostname, "port": parts.port, "url": url}
+    return {"version": str(active.get("version")), "host": parts.hostname, "port": port, "url": url}
 
 
-def forward(
-    backend: dict[str, Any],
-    method: str,
-    path: str,
-    body: bytes | None,
-    content_type: str | None,
-    timeout: float = FORWARD_TIMEOUT_S,
-) -> tuple[int, bytes, str]:
+def _active_version(state_dir: Path) -> str | None:
+    try:
+        return read_active(state_dir)["version"]
+    except NoBackend:
+        return None
+
+
+def forward(backend: dict[str, Any], method: str, path: str, body: bytes | None, content_type: str | None,
+            timeout: float = FORWARD_TIMEOUT_S) -> tuple[int, bytes, str, str | None]:
     conn = http.client.HTTPConnection(backend["host"], backend["port"], timeout=timeout)
     try:
         headers = {"Content-Type": content_type} if content_type else {}
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
-        return resp.status, resp.read(), resp.getheader("Content-Type", "application/json")
+        return (resp.status, resp.read(), resp.getheader("Content-Type", "application/json"),
+                resp.getheader("X-Model-Version"))
     finally:
         conn.close()
 
 
-def make_handler(state_dir: Path) -> type[BaseHTTPRequestHandler]:
-    identity = {"router": True, "state_dir": str(state_dir), "pid": os.getpid()}
+def endpoint_of(path: str) -> str | None:
+    """``/v1/models/<endpoint>[:verb|/...]`` -> endpoint; None for other paths."""
+    if not path.startswith(MODELS_PREFIX):
+        return None
+    rest = path[len(MODELS_PREFIX):]
+    return re.split(r"[:/]", rest, maxsplit=1)[0]
+
+
+def make_handler(state_root: Path) -> type[BaseHTTPRequestHandler]:
+    identity = {"router": True, "state_root": str(state_root), "pid": os.getpid()}
+    routes = "GET /healthz, GET /v1/models, GET /v1/models/<endpoint>, POST /v1/models/<endpoint>:predict"
 
     class Handler(BaseHTTPRequestHandler):
-        server_version = "hybridflow-router/1"
+        server_version = "hybridflow-gateway/1"
         protocol_version = "HTTP/1.1"
 
         def _send(self, status: int, data: bytes, content_type: str, version: str | None) -> None:
@@ -84,77 +116,64 @@ def make_handler(state_dir: Path) -> type[BaseHTTPRequestHandler]:
         def _json(self, status: int, body: dict[str, Any], version: str | None = None) -> None:
             self._send(status, json.dumps(body).encode(), "application/json", version)
 
-        def _healthz(self) -> None:
-            try:
-                backend = read_active(state_dir)
-            except NoBackend as exc:
-                self._json(503, {**identity, "status": "no_backend", "error": str(exc)})
-                return
-            body = {**identity, "version": backend["version"], "backend": backend["url"]}
-            try:
-                status, data, _ = forward(backend, "GET", "/healthz", None, None, timeout=HEALTH_TIMEOUT_S)
-                healthy = status == 200 and json.loads(data).get("version") == backend["version"]
-            except (OSError, ValueError, http.client.HTTPException):
-                healthy = False
-            if healthy:
-                self._json(200, {**body, "status": "ok"}, backend["version"])
-            else:
-                self._json(
-                    503,
-                    {
-                        **body,
-                        "status": "backend_unavailable",
-                        "error": f"active version {backend['version']} at {backend['url']} is not healthy",
-                    },
-                )
+        def _endpoints(self) -> dict[str, str | None]:
+            return {name: _active_version(state_root / name) for name in known_endpoints(state_root)}
 
-        def _proxy(self, method: str) -> None:
-            body = None
-            if method == "POST":
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                    if length < 0:
-                        raise ValueError(length)
-                except ValueError:
-                    self.close_connection = (
-                        True  # the body's extent is unknown, so the connection cannot be reused
-                    )
-                    self._json(411, {"error": "a valid Content-Length header is required"})
-                    return
-                if length > MAX_BODY_BYTES:
-                    self.close_connection = True
-                    self._json(413, {"error": f"body is {length} bytes; at most {MAX_BODY_BYTES}"})
-                    return
-                body = self.rfile.read(length)
+        def _read_body(self) -> bytes | None:
+            """The request body, or None after answering why it cannot be read."""
             try:
-                backend = read_active(state_dir)
+                length = int(self.headers.get("Content-Length", "0"))
+                if length < 0:
+                    raise ValueError(length)
+            except ValueError:
+                self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
+                self._json(411, {"error": "a valid Content-Length header is required"})
+                return None
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._json(413, {"error": f"body is {length} bytes; at most {MAX_BODY_BYTES}"})
+                return None
+            return self.rfile.read(length)
+
+        def _route(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            if method == "GET" and path == "/healthz":
+                self._json(200, {**identity, "status": "ok", "endpoints": self._endpoints()})
+                return
+            if method == "GET" and path.rstrip("/") == "/v1/models":
+                self._json(200, {"models": [{"name": n, "version": v} for n, v in self._endpoints().items()]})
+                return
+            endpoint = endpoint_of(path)
+            body = self._read_body() if method == "POST" else None
+            if method == "POST" and body is None:
+                return
+            if endpoint is None:
+                self._json(404, {"error": f"no route {method} {self.path}; use {routes}"})
+                return
+            known = known_endpoints(state_root)
+            if endpoint not in known:
+                self._json(404, {"error": f"no endpoint {endpoint!r} on this gateway; known endpoints: "
+                                          f"{', '.join(known) or 'none (deploy a model first)'}"})
+                return
+            try:
+                backend = read_active(state_root / endpoint)
             except NoBackend as exc:
                 self._json(503, {"error": str(exc)})
                 return
             try:
-                status, data, ctype = forward(
-                    backend, method, self.path, body, self.headers.get("Content-Type")
-                )
+                status, data, ctype, version = forward(backend, method, self.path, body,
+                                                       self.headers.get("Content-Type"))
             except (OSError, http.client.HTTPException) as exc:
-                self._json(
-                    502,
-                    {
-                        "error": f"active version {backend['version']} at {backend['url']} "
-                        f"did not answer: {exc}"
-                    },
-                    backend["version"],
-                )
+                self._json(502, {"error": f"{endpoint} version {backend['version']} at {backend['url']} "
+                                          f"did not answer: {exc}"}, backend["version"])
                 return
-            self._send(status, data, ctype, backend["version"])
+            self._send(status, data, ctype, version or backend["version"])
 
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            if self.path.split("?", 1)[0] == "/healthz":
-                self._healthz()
-            else:
-                self._proxy("GET")
+            self._route("GET")
 
         def do_POST(self) -> None:  # noqa: N802
-            self._proxy("POST")
+            self._route("POST")
 
         def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
             # Successful requests are the load check's hundreds of lines; keep the log for problems.
@@ -168,21 +187,20 @@ def make_handler(state_dir: Path) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hybridflow.serving.router", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--state-dir", type=Path, required=True, help="endpoint folder holding active.json")
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.serving.router", description=__doc__.split("\n")[0])
+    parser.add_argument("--state-root", type=Path, required=True, help="folder holding <endpoint>/active.json")
     parser.add_argument("--port", type=int, required=True, help="stable port on 127.0.0.1")
     args = parser.parse_args(argv)
-    state_dir = args.state_dir.resolve()
+    state_root = args.state_root.resolve()
     try:
-        server = ThreadingHTTPServer((HOST, args.port), make_handler(state_dir))
+        server = ThreadingHTTPServer((HOST, args.port), make_handler(state_root))
     except OSError as exc:
         print(f"cannot listen on {HOST}:{args.port}: {exc}", file=sys.stderr)
         return 2
     server.daemon_threads = True
-    print(f"routing http://{HOST}:{args.port} -> {state_dir / ACTIVE_FILE}", file=sys.stderr, flush=True)
+    print(f"gateway http://{HOST}:{args.port}{MODELS_PREFIX}<endpoint> -> {state_root}/<endpoint>/{ACTIVE_FILE}",
+          file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,10 +1,15 @@
-"""One model version behind a small HTTP API (on 127.0.0.1 unless --host says otherwise).
+"""One model version from a model bundle behind a small HTTP API (on 127.0.0.1 unless --host says otherwise).
 
-    python -m hybridflow.serving.server --model PATH --variant int8|fp16|fp32 --version V --port P
+    python -m hybridflow.serving.server --bundle DIR --endpoint NAME --version V --port P
+                                        [--host H] [--ready-file F]
 
-- ``GET /healthz`` -> ``{"status": "ok", "version": V, "variant": ...}``
-- ``POST /predict`` ``{"instances": [[64 raw pixel values 0..16], ...]}`` ->
-  ``{"predictions": [int, ...], "version": V}``; bad input gets 400 with ``{"error": ...}``.
+- ``GET /healthz`` -> ``{"status": "ok", "endpoint", "version", "variant", "model", "pid"}``
+- ``GET /v1/models/<endpoint>`` -> ``{"name", "ready": true, "version", "inputs": [names], "output": {...}}``
+- ``POST /v1/models/<endpoint>:predict`` ``{"instances": [row, ...]}``, each row either a list of
+  values in the signature's input order or an object ``{column: value}`` with exactly the input
+  columns -> ``{"predictions": [...], "model": endpoint, "version": V}``. Every value is checked
+  against the bundle's signature (type, finite, whole for int inputs, min/max); a bad request gets
+  400 with ``{"error": ...}`` naming the instance, the column and the fix.
 
 ``--port 0`` binds a free port; with ``--ready-file`` the bound port and pid are written there
 (atomically) once the model is loaded and the socket listens, so a deployer never races for a port.
@@ -17,6 +22,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,77 +30,179 @@ from typing import Any
 import numpy as np
 
 HOST = "127.0.0.1"
-N_PIXELS = 64
-PIXEL_MAX = 16.0
 MAX_INSTANCES = 1024
-MAX_BODY_BYTES = 4 * 1024 * 1024  # ~1024 rows of 64 numbers with generous formatting
+MIN_BODY_BYTES = 4 * 1024 * 1024
+BODY_BYTES_PER_VALUE = 64  # a value, its JSON punctuation and (object form) its column name
+MODELS_PREFIX = "/v1/models/"
 
 
 class BadRequest(ValueError):
     """Input the client must fix; the message is returned as the 400 body."""
 
 
-def parse_instances(payload: Any) -> np.ndarray:
-    """Validate a /predict body and return raw pixels as float32 [n, 64]."""
-    if not isinstance(payload, dict) or "instances" not in payload:
-        raise BadRequest('body must be a JSON object {"instances": [[64 pixel values 0..16], ...]}')
-    rows = payload["instances"]
-    if not isinstance(rows, list) or not rows:
-        raise BadRequest('"instances" must be a non-empty list of rows')
-    if len(rows) > MAX_INSTANCES:
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+class InputSchema:
+    """The signature's input columns, and the check of request instances against them."""
+
+    def __init__(self, signature: Mapping[str, Any]) -> None:
+        from hybridflow.registry import Signature
+
+        sig = Signature.model_validate(signature)
+        self.columns = [(name, col.type, col.min, col.max) for name, col in sig.input_columns]
+        self.names = [name for name, *_ in self.columns]
+        self.index = {name: i for i, name in enumerate(self.names)}
+
+    @property
+    def width(self) -> int:
+        return len(self.columns)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return max(MIN_BODY_BYTES, MAX_INSTANCES * self.width * BODY_BYTES_PER_VALUE)
+
+    def _order(self) -> str:
+        shown = ", ".join(self.names[:3])
+        return f"{shown}, ... {self.names[-1]}" if self.width > 4 else ", ".join(self.names)
+
+    def _value(self, i: int, column: int, value: Any) -> float:
+        name, kind, lo, hi = self.columns[column]
+        at = f"instances[{i}] column {name}"
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise BadRequest(f"{at} = {value!r} is not a boolean; send true or false")
+            return 1.0 if value else 0.0
+        wanted = "a whole number" if kind == "int" else "a number"
+        # bool is an int subclass, but true/false are not numbers for a numeric input.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(f"{at} = {json.dumps(value)[:40]} is not a number; send {wanted} (a JSON number)")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise BadRequest(f"{at} = {value!r:.40} is not finite; send a finite number")
+        if kind == "int" and not number.is_integer():
+            raise BadRequest(f"{at} = {value!r} is not a whole number; this input is an int, send e.g. {round(number)}")
+        if lo is not None and number < lo:
+            raise BadRequest(f"{at} = {value!r} is below the minimum {_fmt(lo)}; send values >= {_fmt(lo)}")
+        if hi is not None and number > hi:
+            raise BadRequest(f"{at} = {value!r} is above the maximum {_fmt(hi)}; send values <= {_fmt(hi)}")
+        return number
+
+    def _row(self, i: int, row: Any) -> list[float]:
+        if isinstance(row, list):
+            if len(row) != self.width:
+                raise BadRequest(
+                    f"instances[{i}] has {len(row)} values; send {self.width} in the signature's order "
+                    f"({self._order()}) or an object {{column: value}}"
+                )
+            return [self._value(i, j, v) for j, v in enumerate(row)]
+        if isinstance(row, dict):
+            unknown = [k for k in row if k not in self.index]
+            if unknown:
+                shown = ", ".join(map(str, unknown[:5]))
+                raise BadRequest(f"instances[{i}] has unknown column(s) {shown}; the inputs are {self._order()}")
+            if len(row) != self.width:
+                missing = [n for n in self.names if n not in row]
+                shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+                raise BadRequest(f"instances[{i}] is missing column(s) {shown}; send every input column")
+            return [self._value(i, self.index[name], value) for name, value in row.items()]
         raise BadRequest(
-            f'"instances" has {len(rows)} rows; at most {MAX_INSTANCES} per request, split the batch'
+            f"instances[{i}] is a {type(row).__name__}; send a list of {self.width} values "
+            "or an object {column: value}"
         )
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != N_PIXELS:
-            got = f"{len(row)} values" if isinstance(row, list) else type(row).__name__
-            raise BadRequest(f"instances[{i}] must be a list of {N_PIXELS} pixel values, got {got}")
-        for j, value in enumerate(row):
-            # bool is an int subclass; true/false are not pixel values.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise BadRequest(f"instances[{i}][{j}] = {value!r} is not a number")
-            if not 0 <= value <= PIXEL_MAX:
-                raise BadRequest(f"instances[{i}][{j}] = {value!r} is outside the pixel range 0..16")
-    return np.asarray(rows, dtype=np.float32)
+
+    def parse(self, payload: Any) -> np.ndarray:
+        """A predict body -> float32 ``[n, width]`` in signature order; BadRequest says what to fix."""
+        if not isinstance(payload, dict) or "instances" not in payload:
+            raise BadRequest('body must be a JSON object {"instances": [row, ...]}')
+        rows = payload["instances"]
+        if not isinstance(rows, list) or not rows:
+            raise BadRequest('"instances" must be a non-empty list of rows')
+        if len(rows) > MAX_INSTANCES:
+            raise BadRequest(f'"instances" has {len(rows)} rows; at most {MAX_INSTANCES} per request, split the batch')
+        out = np.empty((len(rows), self.width), dtype=np.float32)
+        for i, row in enumerate(rows):
+            values = self._row(i, row)
+            if isinstance(row, dict):  # object form: place each value in its column
+                out[i, [self.index[name] for name in row]] = values
+            else:
+                out[i] = values
+        return out
+
+    def instances(self, x: np.ndarray) -> list[list[Any]]:
+        """Rows of ``x`` (signature order) as a client sends them: ints, booleans and floats as JSON."""
+        casts = [bool if kind == "bool" else int if kind == "int" else float for _, kind, _, _ in self.columns]
+        return [[cast(v) for cast, v in zip(casts, row, strict=True)] for row in np.asarray(x).tolist()]
 
 
-def make_handler(predict, version: str, variant: str) -> type[BaseHTTPRequestHandler]:
+def routes(endpoint: str) -> str:
+    return f"GET /healthz, GET {MODELS_PREFIX}{endpoint}, POST {MODELS_PREFIX}{endpoint}:predict"
+
+
+def make_handler(predictor: Any, endpoint: str, version: str) -> type[BaseHTTPRequestHandler]:
+    """``predictor``: a :class:`hybridflow.bundle.Predictor` (``card``, ``predict``)."""
+    from hybridflow import scoring
+
+    card = predictor.card
+    schema = InputSchema(card.signature)
+    health = {"status": "ok", "endpoint": endpoint, "version": version, "variant": card.variant,
+              "model": card.model, "pid": os.getpid()}
+    metadata = {"name": endpoint, "ready": True, "version": version, "inputs": schema.names,
+                "output": card.output}
+    model_path = f"{MODELS_PREFIX}{endpoint}"
+    predict_path = f"{model_path}:predict"
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "hybridflow-model/1"
         protocol_version = "HTTP/1.1"
 
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
+        def _reply(self, status: int, body: dict[str, Any], allow: str | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.send_header("X-Model-Version", version)
+            if allow:
+                self.send_header("Allow", allow)
             self.end_headers()
             self.wfile.write(data)
 
+        def _no_route(self) -> None:
+            if self.command == "POST":
+                self.close_connection = True  # its body is left unread
+            self._reply(404, {"error": f"no route {self.command} {self.path}; use {routes(endpoint)}"})
+
         def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            if self.path.split("?", 1)[0] == "/healthz":
-                self._reply(200, {"status": "ok", "version": version, "variant": variant, "pid": os.getpid()})
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._reply(200, health)
+            elif path == model_path:
+                self._reply(200, metadata)
+            elif path == predict_path:
+                self._reply(405, {"error": f"use POST {predict_path}"}, allow="POST")
             else:
-                self._reply(404, {"error": f"no route GET {self.path}; use GET /healthz or POST /predict"})
+                self._no_route()
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path.split("?", 1)[0] != "/predict":
-                self._reply(404, {"error": f"no route POST {self.path}; use POST /predict"})
+            if self.path.split("?", 1)[0] != predict_path:
+                self._no_route()
                 return
             try:
                 length = int(self.headers.get("Content-Length", ""))
                 if length < 0:
                     raise ValueError(length)
             except ValueError:
-                self.close_connection = (
-                    True  # the body's extent is unknown, so the connection cannot be reused
-                )
+                self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
                 self._reply(411, {"error": "a valid Content-Length header is required"})
                 return
-            if length > MAX_BODY_BYTES:
+            if length > schema.max_body_bytes:
                 self.close_connection = True  # the unread body would poison a kept-alive connection
-                self._reply(413, {"error": f"body is {length} bytes; at most {MAX_BODY_BYTES}"})
+                self._reply(413, {"error": f"body is {length} bytes; at most {schema.max_body_bytes}, "
+                                           "split the batch"})
                 return
             raw = self.rfile.read(length)
             try:
@@ -102,16 +210,17 @@ def make_handler(predict, version: str, variant: str) -> type[BaseHTTPRequestHan
                     payload = json.loads(raw)
                 except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                     raise BadRequest(f"body is not valid JSON: {exc}") from exc
-                pixels = parse_instances(payload)
+                x = schema.parse(payload)
             except BadRequest as exc:
-                self._reply(400, {"error": str(exc), "version": version})
+                self._reply(400, {"error": str(exc), "model": endpoint, "version": version})
                 return
             try:
-                labels = predict(pixels / PIXEL_MAX)  # the model was trained on pixel/16
+                predictions = scoring.to_json(predictor.predict(x), card.output)
             except Exception as exc:  # keep serving; the client sees why
-                self._reply(500, {"error": f"prediction failed: {exc}", "version": version})
+                self.log_error("prediction failed: %r", exc)
+                self._reply(500, {"error": f"prediction failed: {exc}", "model": endpoint, "version": version})
                 return
-            self._reply(200, {"predictions": [int(v) for v in labels], "version": version})
+            self._reply(200, {"predictions": predictions, "model": endpoint, "version": version})
 
         def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
             # Successful requests are the load check's hundreds of lines; keep the log for problems.
@@ -126,11 +235,11 @@ def make_handler(predict, version: str, variant: str) -> type[BaseHTTPRequestHan
     return Handler
 
 
-def build_server(model: Path, variant: str, version: str, port: int, host: str = HOST) -> ThreadingHTTPServer:
-    from hybridflow.compression import load_compressed
+def build_server(bundle_dir: Path, endpoint: str, version: str, port: int, host: str = HOST) -> ThreadingHTTPServer:
+    from hybridflow.bundle import Predictor
 
-    predict = load_compressed(model, variant)
-    server = ThreadingHTTPServer((host, port), make_handler(predict, version, variant))
+    predictor = Predictor.load(bundle_dir)
+    server = ThreadingHTTPServer((host, port), make_handler(predictor, endpoint, version))
     server.daemon_threads = True
     return server
 
@@ -141,37 +250,33 @@ def _write_ready(path: Path, body: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hybridflow.serving.server", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument(
-        "--model", type=Path, required=True, help="model artefact (state dict of the variant)"
-    )
-    parser.add_argument("--variant", choices=("int8", "fp16", "fp32"), required=True)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.serving.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--bundle", type=Path, required=True, help="model bundle folder (model.json + weights.pt)")
+    parser.add_argument("--endpoint", required=True, help="served at /v1/models/<endpoint>")
     parser.add_argument("--version", required=True)
     parser.add_argument("--port", type=int, required=True, help="port to listen on; 0 picks a free one")
     # Loopback on this machine; a pod listens on all its interfaces so its Service can reach it.
     parser.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}; 0.0.0.0 in a pod)")
-    parser.add_argument("--ready-file", type=Path, help="write {pid, port, version} here once serving")
+    parser.add_argument("--ready-file", type=Path, help="write {pid, port, endpoint, version} here once serving")
     args = parser.parse_args(argv)
 
     import torch
 
+    from hybridflow.registry import EntrypointError
+
     torch.set_num_threads(1)  # many small requests on few cores: intra-op threads only add contention
     try:
-        server = build_server(args.model, args.variant, args.version, args.port, args.host)
-    except (OSError, ValueError) as exc:
-        print(f"cannot serve {args.model} as {args.variant} version {args.version}: {exc}", file=sys.stderr)
+        server = build_server(args.bundle, args.endpoint, args.version, args.port, args.host)
+    except (OSError, ValueError, TypeError, EntrypointError) as exc:
+        print(f"cannot serve {args.bundle} as {args.endpoint} version {args.version}: {exc}", file=sys.stderr)
         return 2
     port = server.server_address[1]
     if args.ready_file:
-        _write_ready(args.ready_file, {"pid": os.getpid(), "port": port, "version": args.version})
-    print(
-        f"serving version {args.version} ({args.variant}) on http://{args.host}:{port}",
-        file=sys.stderr,
-        flush=True,
-    )
+        _write_ready(args.ready_file, {"pid": os.getpid(), "port": port, "endpoint": args.endpoint,
+                                       "version": args.version})
+    print(f"serving {args.endpoint} version {args.version} on http://{args.host}:{port}{MODELS_PREFIX}"
+          f"{args.endpoint}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
