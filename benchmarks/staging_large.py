@@ -15,9 +15,10 @@ import os
 import shutil
 
 from s3bench import Bench, Measured, MiB, measure_here, table, write_files
+from staging_catalogue import PUBLIC_CACHE, write_catalogue
 
-from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, stage_dataset
+from hybridflow.storage.sources import LocalFolderSource
 
 
 def main() -> int:
@@ -31,6 +32,7 @@ def main() -> int:
         total = write_files(src, args.count, args.mib * MiB, per_dir=args.count)
         print(f"{args.count} x {args.mib} MiB = {total / MiB:.0f} MiB on {bench.endpoint} (2 cores, loopback)")
         bench.warm_up(src)
+        catalogue = write_catalogue(bench.root / "config", src.name)
         best: dict[str, Measured] = {}
 
         def keep(m: Measured) -> None:
@@ -52,11 +54,11 @@ def main() -> int:
             bench.drop(b)
             b = bench.bucket("hf")
             store = bench.store(b, "cache")
-            ds = DatasetRef(uri=f"file://{src}", path=src)
+            ds = LocalFolderSource(src)
             m, result = measure_here(
                 "hybridflow stage_dataset (first stage)",
                 lambda ds=ds, store=store, rep=rep: stage_dataset(
-                    ds, store, sensitivity="internal", target_location="public",
+                    ds, store, destination=PUBLIC_CACHE, catalogue=catalogue,
                     run_key=f"bench-{rep}", settings=StagingSettings(pack="never"),
                 ),
                 args.count, total,

@@ -16,8 +16,8 @@ import collections
 import shutil
 
 from s3bench import Bench, Measured, MiB, measure_here, write_files
+from staging_catalogue import PUBLIC_CACHE, write_catalogue
 
-from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, blob_key, stage_dataset
 from hybridflow.storage.hashindex import HashIndex
 from hybridflow.storage.sources import LocalFolderSource
@@ -32,7 +32,8 @@ def main() -> int:
     with Bench() as bench:
         src = bench.root / "src" / "shots"
         total = write_files(src, args.count, args.kib * 1024)
-        ds = DatasetRef(uri=f"file://{src}", path=src)
+        ds = LocalFolderSource(src)
+        catalogue = write_catalogue(bench.root / "config", ds.name)
         settings = StagingSettings(pack="never")
         index = bench.root / "index.json"
         print(f"{args.count} x {args.kib} KiB = {total / MiB:.0f} MiB, unchanged, on {bench.endpoint}")
@@ -46,13 +47,13 @@ def main() -> int:
             dst = bench.data / s5_bucket / "d" / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, dst)  # keeps mtime: s5cmd sync sees the object as not older
-            blob = bench.data / hf_bucket / "cache" / blob_key("shots", sha)
+            blob = bench.data / hf_bucket / "cache" / blob_key(ds.name, sha)
             blob.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / rel, blob)
         sync = bench.s5cmd("sync", f"{src}/*", f"s3://{s5_bucket}/d/")
         bench.run_tool("s5cmd sync (bring up to date)", sync, args.count, total)
         store = bench.store(hf_bucket, "cache")
-        first = stage_dataset(ds, store, sensitivity="internal", target_location="public", run_key="warm",
+        first = stage_dataset(ds, store, destination=PUBLIC_CACHE, catalogue=catalogue, run_key="warm",
                               settings=settings, index_path=index)
         assert first.bytes_copied == 0, "the prefilled blobs should have verified"
 
@@ -74,7 +75,7 @@ def main() -> int:
             sent[0] = 0
             m, result = measure_here(
                 "hybridflow stage_dataset (nothing to do)",
-                lambda rep=rep: stage_dataset(ds, store, sensitivity="internal", target_location="public",
+                lambda rep=rep: stage_dataset(ds, store, destination=PUBLIC_CACHE, catalogue=catalogue,
                                               run_key=f"noop-{rep}", settings=settings, index_path=index),
                 args.count, total,
             )

@@ -17,10 +17,11 @@ import shutil
 import time
 
 from s3bench import Bench, Measured, MiB, measure_here, table, write_files
+from staging_catalogue import PUBLIC_CACHE, write_catalogue
 
-from hybridflow.datasets import DatasetRef
 from hybridflow.staging import StagingSettings, read_manifest, stage_dataset
 from hybridflow.storage.reader import iter_samples
+from hybridflow.storage.sources import LocalFolderSource
 
 
 def read_back(store, manifest_key: str) -> tuple[int, float]:
@@ -41,7 +42,8 @@ def main() -> int:
     with Bench() as bench:
         src = bench.root / "src" / "images"
         total = write_files(src, args.count, args.kib * 1024)
-        ds = DatasetRef(uri=f"file://{src}", path=src)
+        ds = LocalFolderSource(src)
+        catalogue = write_catalogue(bench.root / "config", ds.name)
         print(f"{args.count} x {args.kib} KiB = {total / MiB:.0f} MiB on {bench.endpoint} (2 cores, loopback)")
         bench.warm_up(src)
         best: dict[str, Measured] = {}
@@ -66,7 +68,7 @@ def main() -> int:
                 m, result = measure_here(
                     label,
                     lambda store=store, pack=pack, rep=rep: stage_dataset(
-                        ds, store, sensitivity="internal", target_location="public", run_key=f"bench-{rep}",
+                        ds, store, destination=PUBLIC_CACHE, catalogue=catalogue, run_key=f"bench-{rep}",
                         settings=StagingSettings(pack=pack),
                     ),
                     args.count, total,

@@ -7,7 +7,8 @@ Layout in the target store (see :mod:`hybridflow.storage.manifest`)::
 
 How a stage runs:
 
-1. the sovereignty guard: restricted data never starts towards a public store;
+1. the sovereignty guard (:mod:`hybridflow.sovereignty`, reading the catalogue itself): restricted
+   data never starts towards a public store, region-limited data never leaves its regions;
 2. the source is listed once; digests of unchanged files come from the hash index, so only new or
    changed files are read;
 3. the target's blobs are listed once (in parallel over the 256 fan-out prefixes for big
@@ -34,18 +35,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridflow.datasets import DatasetRef
-from hybridflow.errors import SovereigntyError, StagingError
+from hybridflow.errors import StagingError
+from hybridflow.sovereignty import Destination, check_sovereignty
 from hybridflow.storage.hashindex import FileDigest, HashIndex, ShardDigest
 from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
 from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
 from hybridflow.storage.shards import Member, ShardPlan, build_shard, iter_members, plan_shards, shard_offsets
-from hybridflow.storage.sources import DatasetSource, LocalFolderSource, SourceFile
+from hybridflow.storage.sources import DatasetSource, SourceFile
 from hybridflow.storage.transfer import TransferProgress, TransferSettings, Uploaded, Uploader, UploadItem
 
 logger = logging.getLogger(__name__)
 
-LOCATIONS = ("private", "public")
 _MiB = 1024 * 1024
 # A blob the listing cannot vouch for (no usable ETag recorded) is re-read to check its SHA-256.
 VERIFY_DOWNLOAD_MAX = 256 * _MiB
@@ -129,20 +129,6 @@ def manifest_key_for(dataset: str, version: str) -> str:
     return f"{versions_prefix(dataset)}{version}.json"
 
 
-def check_sovereignty(sensitivity: str, target_location: str, dataset: str = "") -> None:
-    """Raise unless data of ``sensitivity`` may be copied to a ``target_location`` store."""
-    if target_location not in LOCATIONS:
-        raise StagingError(
-            f"target_location {target_location!r} is unknown; use one of {', '.join(LOCATIONS)}"
-        )
-    if sensitivity.strip().lower() == "restricted" and target_location != "private":
-        what = f"dataset {dataset!r}" if dataset else "the dataset"
-        raise SovereigntyError(
-            f"{what} is restricted and the target store is {target_location}: restricted data never "
-            "leaves private storage; choose a private cluster (location: private) for this run"
-        )
-
-
 def read_manifest(store: ObjectStore, manifest_key: str) -> DatasetManifest:
     try:
         data = store.get_bytes(manifest_key)
@@ -164,7 +150,7 @@ def list_blobs(store: ObjectStore, dataset: str, expected: int, settings: Stagin
     prefix = blob_prefix(dataset)
     if expected < settings.fanout_list_min_blobs or not hasattr(store, "client"):
         return {i.key: i for i in store.list(prefix)}
-    # About one full page (1000 keys) per request: 16 listings by first hex digit for mid-sized
+    # About one full page (1000 keys) per request: 16 listings by first hex character for mid-sized
     # datasets, 256 (one per fan-out folder) for big ones.
     width = 1 if expected < 64 * settings.fanout_list_min_blobs else 2
     prefixes = [f"{prefix}{i:0{width}x}" for i in range(16**width)]
@@ -289,28 +275,33 @@ def index_path_for(state_dir: Path, source_uri: str) -> Path:
 
 
 def stage_dataset(
-    dataset: DatasetRef | DatasetSource,
+    source: DatasetSource,
     target: ObjectStore,
     *,
-    sensitivity: str,
-    target_location: str,
+    destination: Destination,
+    catalogue: Path,
     run_key: str,
+    dataset: str | None = None,
+    raised: str | None = None,
     settings: StagingSettings | None = None,
     index_path: Path | None = None,
     log: Any = logger,
 ) -> StagingResult:
-    """Copy ``dataset`` into ``target`` as content-addressed blobs plus a manifest written last.
+    """Copy ``source`` into ``target`` as content-addressed blobs plus a manifest written last.
 
-    ``index_path`` keeps file digests between runs (see :class:`HashIndex`); without it every
-    file is read again.
+    ``dataset`` is the source's name in the catalogue file ``catalogue`` (default: the source's
+    name); the guard reads its classification and regions there, stricter if the run ``raised`` it,
+    against ``destination``. ``index_path`` keeps file digests between runs (see :class:`HashIndex`);
+    without it every file is read again.
     """
-    # Before anything touches the target: restricted data must not even start to move.
-    check_sovereignty(sensitivity, target_location, dataset.name)
+    if dataset is not None and dataset != source.name:
+        # The guard must judge the data that is copied: its objects are stored under the source's name.
+        raise StagingError(f"the source is named {source.name!r} but the catalogue entry checked is {dataset!r}; "
+                           "stage a dataset under its catalogue name")
+    # Before anything touches the target: data the catalogue keeps away from it must not even start.
+    classification = check_sovereignty(dataset or source.name, destination, catalogue=catalogue, raised=raised)
     settings = settings or StagingSettings()
     started = time.monotonic()
-    source = (
-        LocalFolderSource(dataset.path, name=dataset.name, uri=dataset.uri) if isinstance(dataset, DatasetRef) else dataset
-    )
     name = source.name
     index = HashIndex(index_path)
     tuning = settings.transfer
@@ -467,7 +458,7 @@ def stage_dataset(
         entries=tuple(sorted(entries, key=lambda e: e.path)),
         blobs=tuple(sorted(records.values(), key=lambda b: b.key)),
         source_uri=source.uri,
-        sensitivity=sensitivity,
+        sensitivity=classification,
         created_by=run_key,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )

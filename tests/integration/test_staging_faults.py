@@ -15,13 +15,14 @@ import time
 import uuid
 
 import pytest
+from tests.unit.test_sovereignty import PUBLIC_US, write_catalogue
 
-from hybridflow.datasets import DatasetRef
 from hybridflow.devenv.rclone import RcloneS3Server, free_port
 from hybridflow.errors import StagingError
 from hybridflow.staging import StagingSettings, blob_prefix, read_manifest, stage_dataset, versions_prefix
 from hybridflow.storage.manifest import fetch_verified
 from hybridflow.storage.s3 import S3ObjectStore
+from hybridflow.storage.sources import LocalFolderSource
 from hybridflow.storage.transfer import TransferSettings
 
 pytestmark = pytest.mark.s3
@@ -38,7 +39,13 @@ def _settings() -> StagingSettings:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> tuple[DatasetRef, dict[str, bytes]]:
+def catalogue(tmp_path_factory):
+    return write_catalogue(tmp_path_factory.mktemp("fault-config") / "datasets.yaml",
+                           {"faulty": {"classification": "internal"}})
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> tuple[LocalFolderSource, dict[str, bytes]]:
     rng = random.Random(7)
     files = {f"img/{i:04d}.bin": rng.randbytes(rng.randint(1_000, 60_000)) for i in range(150)}
     files["weights/a.bin"] = rng.randbytes(17 * MiB)
@@ -47,7 +54,7 @@ def dataset(tmp_path_factory) -> tuple[DatasetRef, dict[str, bytes]]:
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
-    return DatasetRef(uri=f"file://{folder}", path=folder), files
+    return LocalFolderSource(folder), files
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +71,9 @@ def _store(endpoint: str, bucket: str) -> S3ObjectStore:
     return s
 
 
-def _stage(dataset, store):
+def _stage(dataset, store, catalogue):
     return stage_dataset(
-        dataset, store, sensitivity="internal", target_location="public", run_key="fault", settings=_settings()
+        dataset, store, destination=PUBLIC_US, catalogue=catalogue, run_key="fault", settings=_settings()
     )
 
 
@@ -79,8 +86,10 @@ def _assert_identical(store, result, files) -> None:
 
 STAGE = r"""
 import json, sys
-from hybridflow.datasets import DatasetRef
+from pathlib import Path
+from hybridflow.sovereignty import Destination
 from hybridflow.staging import StagingSettings, stage_dataset
+from hybridflow.storage.sources import LocalFolderSource
 from hybridflow.storage.s3 import S3ObjectStore
 from hybridflow.storage.transfer import TransferSettings
 args = json.loads(sys.argv[1])
@@ -90,21 +99,22 @@ tuning = TransferSettings(multipart_threshold=6 << 20, part_size=5 << 20, worker
 settings = StagingSettings(transfer=tuning, pack="never", shard_target=4 << 20, shard_max=6 << 20)
 store.client.list_buckets()  # imports and connection set-up happen before the clock starts
 print("START", flush=True)
-stage_dataset(DatasetRef(uri=args["uri"], path=__import__("pathlib").Path(args["path"])), store,
-              sensitivity="internal", target_location="public", run_key="killed", settings=settings)
+stage_dataset(LocalFolderSource(Path(args["path"])), store, destination=Destination(*args["destination"]),
+              catalogue=Path(args["catalogue"]), run_key="killed", settings=settings)
 print("DONE", flush=True)
 """
 
 
-def test_sigkill_at_random_points_never_exposes_a_partial_version(server, dataset):
+def test_sigkill_at_random_points_never_exposes_a_partial_version(server, dataset, catalogue):
     ds, files = dataset
-    clean = _stage(ds, _store(server.endpoint_url, f"hf-clean-{uuid.uuid4().hex[:8]}"))
+    clean = _stage(ds, _store(server.endpoint_url, f"hf-clean-{uuid.uuid4().hex[:8]}"), catalogue)
     total_bytes = sum(len(d) for d in files.values())
 
 
     def launch(bucket: str) -> subprocess.Popen:
         args = {"bucket": bucket, "endpoint": server.endpoint_url, "access": ACCESS, "secret": SECRET,
-                "uri": ds.uri, "path": str(ds.path)}
+                "path": str(ds.path), "catalogue": str(catalogue),
+                "destination": [PUBLIC_US.location, list(PUBLIC_US.areas), PUBLIC_US.name]}
         proc = subprocess.Popen([sys.executable, "-c", STAGE, json.dumps(args)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
         assert proc.stdout.readline().strip() == "START"
@@ -138,7 +148,7 @@ def test_sigkill_at_random_points_never_exposes_a_partial_version(server, datase
         inflight = sum(len(store.uploaded_parts(u["key"], u["upload_id"])) for u in uploads)
         if os.environ.get("HF_DEBUG"):
             print(trial, uploads, inflight)
-        rerun = _stage(ds, store)
+        rerun = _stage(ds, store, catalogue)
         # Only the rest is copied: blobs complete before the re-run are not sent again.
         assert rerun.objects_copied + len(present) == clean.blobs_total
         assert rerun.bytes_copied <= total_bytes - sum(present.values())
@@ -156,7 +166,7 @@ def test_sigkill_at_random_points_never_exposes_a_partial_version(server, datase
     assert phases["mid copy"] >= TRIALS // 3, phases
 
 
-def test_s3_server_stopped_and_restarted_mid_transfer(tmp_path, dataset):
+def test_s3_server_stopped_and_restarted_mid_transfer(tmp_path, dataset, catalogue):
     ds, files = dataset
     port = free_port()
     srv = RcloneS3Server(tmp_path / "s3", ACCESS, SECRET, port=port, log_path=tmp_path / "rclone.log")
@@ -167,7 +177,7 @@ def test_s3_server_stopped_and_restarted_mid_transfer(tmp_path, dataset):
 
         def first_try() -> None:
             try:
-                outcome["result"] = _stage(ds, store)
+                outcome["result"] = _stage(ds, store, catalogue)
             except StagingError as exc:
                 outcome["error"] = exc
 
@@ -183,10 +193,10 @@ def test_s3_server_stopped_and_restarted_mid_transfer(tmp_path, dataset):
         worker.join(timeout=300)
         assert not worker.is_alive()
         # Either botocore's retries rode out the outage, or the task fails and its retry completes.
-        result = outcome.get("result") or _stage(ds, store)
+        result = outcome.get("result") or _stage(ds, store, catalogue)
         print(f"first try: {'completed' if 'result' in outcome else repr(outcome['error'])[:200]}")
         _assert_identical(store, result, files)
-        again = _stage(ds, store)
+        again = _stage(ds, store, catalogue)
         assert again.bytes_copied == 0 and again.objects_copied == 0
     finally:
         srv.stop()

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
+import os
+import tarfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
+from tests.unit.test_sovereignty import PRIVATE_EU, PUBLIC_EU, PUBLIC_US, write_catalogue
 
-from hybridflow.datasets import seed_digits
-from hybridflow.errors import SovereigntyError, StagingError
-from hybridflow.staging import read_manifest, stage_dataset
+from hybridflow.cache import list_versions, prune_versions
+from hybridflow.errors import ConfigError, SovereigntyError, StagingError
+from hybridflow.sovereignty import Destination
+from hybridflow.staging import StagingSettings, blob_prefix, read_manifest, stage_dataset
 from hybridflow.storage.manifest import fetch_verified
 from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec, open_store
+from hybridflow.storage.reader import iter_samples
 from hybridflow.storage.s3 import S3ObjectStore
+from hybridflow.storage.sources import LocalFolderSource, S3DatasetSource
+from hybridflow.storage.transfer import TransferSettings
+from hybridflow_examples.digits.data import seed as seed_digits
 
 pytestmark = pytest.mark.s3
 
 PREFIX = "cache"
+MiB = 1024 * 1024
+DIGITS_FILES = ["expectations/test.json", "expectations/train.json", "test.csv", "train.csv"]
+# Every synthetic dataset staged below: the guard refuses a dataset its catalogue does not list.
+INTERNAL = (
+    "digits", "fan", "wide", "swap", "flip", "big", "aband", "packed", "foldered", "shardrot", "shots",
+    "progress", "vers", "clidata", "whole", "parts", "small",
+)
 
 
 class Requests:
@@ -45,15 +63,36 @@ class Requests:
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    return seed_digits(tmp_path_factory.mktemp("private"))
+def catalogue(tmp_path_factory) -> Path:
+    """This module's datasets.yaml: internal data, except where a test is about classification."""
+    return write_catalogue(tmp_path_factory.mktemp("config") / "datasets.yaml", {
+        **{name: {"classification": "internal"} for name in INTERNAL},
+        "open-data": {"classification": "public"},
+        "patients": {"classification": "restricted"},
+        "records": {"classification": "restricted"},
+        "eu-claims": {"classification": "internal", "regions": ["eu"]},
+    })
 
 
 @pytest.fixture
-def store(rclone_s3) -> S3ObjectStore:
+def stage(catalogue):
+    """stage_dataset against this module's catalogue, towards a public US cache unless told."""
+
+    def run(source, target, *, destination: Destination = PUBLIC_US, run_key: str = "run-1", **kw):
+        return stage_dataset(source, target, destination=destination, catalogue=catalogue, run_key=run_key, **kw)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> LocalFolderSource:
+    return LocalFolderSource(seed_digits(tmp_path_factory.mktemp("private") / "digits"), name="digits")
+
+
+def _new_store(rclone_s3, label: str = "stage") -> S3ObjectStore:
     endpoint, access, secret, _ = rclone_s3
     s = S3ObjectStore(
-        f"hf-stage-{uuid.uuid4().hex[:10]}",
+        f"hf-{label}-{uuid.uuid4().hex[:10]}",
         prefix=PREFIX,
         endpoint_url=endpoint,
         access_key=access,
@@ -63,9 +102,9 @@ def store(rclone_s3) -> S3ObjectStore:
     return s
 
 
-def _stage(dataset, target, **kw):
-    args = {"sensitivity": "internal", "target_location": "public", "run_key": "run-1"} | kw
-    return stage_dataset(dataset, target, **args)
+@pytest.fixture
+def store(rclone_s3) -> S3ObjectStore:
+    return _new_store(rclone_s3)
 
 
 def _settle() -> None:
@@ -77,20 +116,35 @@ def _blob_file(rclone_s3, store: S3ObjectStore, key: str):
     return rclone_s3[3] / store.bucket / PREFIX / key
 
 
-def test_first_stage_copies_everything_and_a_rerun_uploads_nothing(digits, store):
-    sizes = {p.name: p.stat().st_size for p in digits.path.iterdir()}
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _bucket_is_empty(rclone_s3, store: S3ObjectStore) -> None:
+    """Nothing at all in the bucket, under any prefix: by the S3 listing and on the server's disk."""
+    listed = store.client.list_objects_v2(Bucket=store.bucket)
+    assert listed.get("KeyCount", 0) == 0 and "Contents" not in listed, listed.get("Contents")
+    assert [p for p in (rclone_s3[3] / store.bucket).rglob("*") if p.is_file()] == []
+    endpoint, access, secret, _ = rclone_s3
+    whole = S3ObjectStore(store.bucket, endpoint_url=endpoint, access_key=access, secret_key=secret)
+    assert whole.multipart_uploads() == []  # no upload started either
+
+
+def test_first_stage_copies_everything_and_a_rerun_uploads_nothing(stage, digits, store):
+    files = _contents(digits.path)
+    assert sorted(files) == DIGITS_FILES
     log = Requests(store)
-    first = _stage(digits, store)
-    assert (first.objects_total, first.objects_copied) == (2, 2)
-    assert first.bytes_copied == sum(sizes.values())
+    first = stage(digits, store)
+    assert (first.objects_total, first.objects_copied) == (4, 4)
+    assert first.bytes_copied == sum(len(data) for data in files.values())
     assert log.bytes_sent >= first.bytes_copied
     assert first.manifest_key == f"datasets/digits/versions/{first.version}.json"
     assert first.store_uri == store.uri
     xcom = first.to_xcom()
-    assert json.loads(json.dumps(xcom)) == xcom and xcom["objects_copied"] == 2
+    assert json.loads(json.dumps(xcom)) == xcom and xcom["objects_copied"] == 4
 
     log.calls.clear()
-    second = _stage(digits, store, run_key="run-2")
+    second = stage(digits, store, run_key="run-2")
     assert (second.version, second.objects_copied, second.bytes_copied) == (first.version, 0, 0)
     assert log.writes == [] and log.bytes_sent == 0
     # One listing for all blobs; no per-blob HEADs or downloads (the MD5 ETags vouch for them).
@@ -100,35 +154,35 @@ def test_first_stage_copies_everything_and_a_rerun_uploads_nothing(digits, store
     assert read_manifest(store, first.manifest_key).created_by == "run-1"
 
 
-def test_reader_gets_identical_bytes(digits, store, rclone_s3):
-    result = _stage(digits, store)
+def test_reader_gets_identical_bytes(stage, digits, store, rclone_s3):
+    result = stage(digits, store)
     # A worker opens the store from the serialisable spec plus credentials in its environment.
     spec = store.spec
     reader = open_store(StoreSpec.from_dict(spec.to_dict(), environ=spec.credential_env()))
     manifest = read_manifest(reader, result.manifest_key)
     assert manifest.dataset == "digits" and manifest.version == result.version
     assert manifest.source_uri == digits.uri and manifest.sensitivity == "internal"
-    assert sorted(e.path for e in manifest.entries) == ["test.csv", "train.csv"]
+    assert sorted(e.path for e in manifest.entries) == DIGITS_FILES
     for entry in manifest.entries:
         assert fetch_verified(reader, entry) == (digits.path / entry.path).read_bytes()
         assert reader.metadata(entry.key) == {"sha256": entry.sha256}
 
 
-def test_deleted_blob_is_recopied(digits, store, rclone_s3):
-    first = _stage(digits, store)
+def test_deleted_blob_is_recopied(stage, digits, store, rclone_s3):
+    first = stage(digits, store)
     entry = read_manifest(store, first.manifest_key).entry("train.csv")
     _blob_file(rclone_s3, store, entry.key).unlink()
     _settle()
     log = Requests(store)
-    again = _stage(digits, store)
+    again = stage(digits, store)
     assert (again.objects_copied, again.bytes_copied) == (1, entry.size)
     assert sum(1 for op, _, _ in log.writes if op == "PutObject") == 1  # the blob; the manifest exists
     assert fetch_verified(store, entry) == (digits.path / "train.csv").read_bytes()
 
 
 @pytest.mark.parametrize("same_size", [True, False], ids=["same-size", "truncated"])
-def test_corrupted_blob_is_detected_and_recopied(digits, store, rclone_s3, same_size):
-    first = _stage(digits, store)
+def test_corrupted_blob_is_detected_and_recopied(stage, digits, store, rclone_s3, same_size):
+    first = stage(digits, store)
     entry = read_manifest(store, first.manifest_key).entry("test.csv")
     path = _blob_file(rclone_s3, store, entry.key)
     path.write_bytes(
@@ -138,51 +192,113 @@ def test_corrupted_blob_is_detected_and_recopied(digits, store, rclone_s3, same_
     _settle()
     with pytest.raises(StagingError, match="corrupt"):
         fetch_verified(store, entry)
-    again = _stage(digits, store)
+    again = stage(digits, store)
     assert (again.objects_copied, again.bytes_copied) == (1, entry.size)
     assert fetch_verified(store, entry) == (digits.path / "test.csv").read_bytes()
 
 
-def test_restricted_data_never_goes_to_a_public_store(digits, store, rclone_s3):
-    bucket_dir = rclone_s3[3] / store.bucket
-    before = sorted(p.relative_to(bucket_dir) for p in bucket_dir.rglob("*"))
+def test_data_a_run_raises_to_restricted_never_goes_to_a_public_store(stage, digits, store, rclone_s3):
     log = Requests(store)
     with pytest.raises(SovereigntyError, match="restricted data never leaves private storage"):
-        _stage(digits, store, sensitivity="restricted", target_location="public")
+        stage(digits, store, raised="restricted")
     assert log.calls == []  # not even a listing
-    assert sorted(p.relative_to(bucket_dir) for p in bucket_dir.rglob("*")) == before
-    assert list(store.list()) == []
+    _bucket_is_empty(rclone_s3, store)
 
 
-def test_restricted_data_may_go_to_a_private_store(digits, tmp_path):
-    result = _stage(
-        digits,
-        LocalObjectStore(tmp_path / "private-cache"),
-        sensitivity="restricted",
-        target_location="private",
-    )
-    assert result.objects_copied == 2
-
-
-def test_unknown_target_location_is_refused_before_any_write(digits, store):
+def test_restricted_data_never_goes_to_a_public_store(stage, store, rclone_s3, tmp_path):
+    ds = _folder(tmp_path, "records", _small_files(30, 2000, seed=9))
     log = Requests(store)
-    with pytest.raises(StagingError, match="target_location"):
-        _stage(digits, store, target_location="cloud")
+    with pytest.raises(SovereigntyError, match="'records' is restricted .* run it on a private cluster"):
+        stage(ds, store, destination=PUBLIC_EU)
+    assert log.calls == []
+    _bucket_is_empty(rclone_s3, store)
+
+
+def test_restricted_data_may_go_to_a_private_store(stage, tmp_path):
+    files = _small_files(10, 1000, seed=10)
+    target = LocalObjectStore(tmp_path / "private-cache")
+    result = stage(_folder(tmp_path, "records", files), target, destination=PRIVATE_EU)
+    assert result.objects_copied == 10
+    manifest = read_manifest(target, result.manifest_key)
+    assert manifest.sensitivity == "restricted"
+    assert {e.path: fetch_verified(target, e) for e in manifest.entries} == files
+
+
+def test_eu_only_data_never_reaches_a_us_cache_and_stages_into_an_eu_one(stage, rclone_s3, tmp_path):
+    files = _small_files(25, 1500, seed=11)
+    ds = _folder(tmp_path, "eu-claims", files)
+    us_cache = _new_store(rclone_s3, "us")
+    log = Requests(us_cache)
+    with pytest.raises(SovereigntyError, match="'eu-claims' may only be processed in eu .*cloud-east"):
+        stage(ds, us_cache, destination=PUBLIC_US)
+    assert log.calls == []
+    _bucket_is_empty(rclone_s3, us_cache)
+
+    eu_cache = _new_store(rclone_s3, "eu")
+    result = stage(ds, eu_cache, destination=PUBLIC_EU)
+    assert result.objects_copied == 25
+    manifest = read_manifest(eu_cache, result.manifest_key)
+    assert manifest.sensitivity == "internal"
+    assert {e.path: fetch_verified(eu_cache, e) for e in manifest.entries} == files
+    _bucket_is_empty(rclone_s3, us_cache)  # the EU stage wrote nothing to the US bucket either
+
+
+@pytest.mark.parametrize(("dataset", "raised", "destination", "recorded"), [
+    ("open-data", None, PUBLIC_US, "public"),
+    ("open-data", "internal", PUBLIC_US, "internal"),
+    ("digits", None, PUBLIC_US, "internal"),
+    ("digits", "public", PUBLIC_US, "internal"),  # a run may not lower the data's classification
+    ("digits", "restricted", PRIVATE_EU, "restricted"),
+    ("records", "internal", PRIVATE_EU, "restricted"),
+])
+def test_the_manifest_records_the_classification_the_data_was_handled_as(
+    stage, store, tmp_path, dataset, raised, destination, recorded
+):
+    # A private destination here stands for a private cluster's own on-prem bucket.
+    result = stage(_folder(tmp_path, dataset, _small_files(3, 100, seed=12)), store, destination=destination,
+                   raised=raised)
+    assert read_manifest(store, result.manifest_key).sensitivity == recorded
+    assert json.loads(store.get_bytes(result.manifest_key))["sensitivity"] == recorded
+
+
+def test_a_source_is_checked_under_the_catalogue_name_it_is_staged_as(stage, store, rclone_s3, tmp_path):
+    export = _folder(tmp_path, "export-2024", {"a.csv": b"x\n"})
+    # By its folder's name it is not in the catalogue, so it is handled as restricted ...
+    with pytest.raises(SovereigntyError, match="'export-2024' is not in datasets.yaml"):
+        stage(export, store)
+    # ... and named as a restricted dataset it is refused as that one.
+    with pytest.raises(SovereigntyError, match="'records' is restricted"):
+        stage(export, store, dataset="records")
+    _bucket_is_empty(rclone_s3, store)
+
+
+def test_unknown_target_location_is_refused_before_any_write(stage, digits, store):
+    log = Requests(store)
+    with pytest.raises(StagingError, match="target location 'cloud' is unknown"):
+        stage(digits, store, destination=Destination("cloud", ("us-east-1",), "cloud-east"))
+    assert log.calls == []
+
+
+def test_a_catalogue_that_cannot_be_read_stops_the_stage_before_any_request(digits, store, tmp_path):
+    log = Requests(store)
+    with pytest.raises(ConfigError, match="file not found"):
+        stage_dataset(digits, store, destination=PUBLIC_US, catalogue=tmp_path / "datasets.yaml", run_key="r")
     assert log.calls == []
 
 
 @pytest.mark.parametrize("crt", [False, True], ids=["botocore", "crt"])
-def test_manifest_appears_only_after_every_blob(digits, store, monkeypatch, crt):
+def test_manifest_appears_only_after_every_blob(stage, digits, store, monkeypatch, crt):
     settings = StagingSettings(transfer=TransferSettings(crt=crt, workers=1, crt_window_per_worker=1))
     method = "put_file_nowait" if crt else "put_verified"
     real_put = getattr(store, method)
     uploads = []
+    failing = [True]
     lock = threading.Lock()
 
     def flaky_put(key, *args, **kwargs):
         with lock:
             uploads.append(key)
-            fail = len(uploads) == 2
+            fail = failing[0] and len(uploads) == 2
         if not fail:
             return real_put(key, *args, **kwargs)
         if not crt:
@@ -192,22 +308,34 @@ def test_manifest_appears_only_after_every_blob(digits, store, monkeypatch, crt)
 
     monkeypatch.setattr(store, method, flaky_put)
     with pytest.raises(StagingError, match="no manifest was written"):
-        _stage(digits, store, settings=settings)
-    assert len(uploads) == 2
+        stage(digits, store, settings=settings)
+    failed = uploads[1]
+    assert len(set(uploads)) == len(uploads)  # nothing sent twice, the failed blob not retried
+    if crt:
+        assert len(uploads) == 2  # no request starts after the failure (one in flight at a time)
+    else:
+        # the pool cancels what is queued; at most the one blob its worker had already taken goes on
+        assert 2 <= len(uploads) <= 3
     assert [o.key for o in store.list("datasets/digits/versions/")] == []
-    assert len(list(store.list("datasets/digits/blobs/"))) == 1
+    present = {o.key for o in store.list("datasets/digits/blobs/")}
+    assert present == set(uploads) - {failed}
 
-    monkeypatch.setattr(store, method, real_put)
-    resumed = _stage(digits, store, settings=settings)
-    assert resumed.objects_copied == 1  # only the blob the failed run did not copy
+    failing[0] = False
+    uploads.clear()
+    resumed = stage(digits, store, settings=settings)
+    blobs = {e.key for e in read_manifest(store, resumed.manifest_key).entries}
+    assert len(blobs) == 4 and failed in blobs
+    # only the blobs the failed run did not copy
+    assert sorted(k for k in uploads if "/blobs/" in k) == sorted(blobs - present)
+    assert resumed.objects_copied == len(blobs - present)
     assert [o.key for o in store.list("datasets/digits/versions/")] == [resumed.manifest_key]
 
 
-def test_unreadable_existing_manifest_is_reported(digits, store):
-    first = _stage(digits, store)
+def test_unreadable_existing_manifest_is_reported(stage, digits, store):
+    first = stage(digits, store)
     store.put_bytes(first.manifest_key, b"{not json")
     with pytest.raises(StagingError, match="unreadable"):
-        _stage(digits, store)
+        stage(digits, store)
 
 
 def test_read_manifest_of_a_missing_version(store):
@@ -215,18 +343,18 @@ def test_read_manifest_of_a_missing_version(store):
         read_manifest(store, "datasets/digits/versions/nope.json")
 
 
-def test_local_folder_store_is_verified_by_content(digits, tmp_path, caplog):
+def test_local_folder_store_is_verified_by_content(stage, digits, tmp_path, caplog):
     target = LocalObjectStore(tmp_path / "cache")
-    first = _stage(digits, target, target_location="private")
-    assert first.objects_copied == 2
-    assert _stage(digits, target, target_location="private").bytes_copied == 0
+    first = stage(digits, target, destination=PRIVATE_EU)
+    assert first.objects_copied == len(DIGITS_FILES)
+    assert stage(digits, target, destination=PRIVATE_EU).bytes_copied == 0
     entry = read_manifest(target, first.manifest_key).entry("train.csv")
     blob = tmp_path / "cache" / entry.key
     data = bytearray(blob.read_bytes())
     data[100] ^= 0xFF  # one flipped byte, same size: only the SHA-256 can tell
     blob.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="hybridflow.staging"):
-        again = _stage(digits, target, target_location="private")
+        again = stage(digits, target, destination=PRIVATE_EU)
     assert (again.objects_copied, again.bytes_copied) == (1, entry.size)
     assert "re-copying" in caplog.text
     assert fetch_verified(target, entry) == (digits.path / "train.csv").read_bytes()
@@ -234,28 +362,14 @@ def test_local_folder_store_is_verified_by_content(digits, tmp_path, caplog):
 
 # -- the staging engine: index, fan-out, multipart, packing, corruption, S3 sources, versions ------
 
-import hashlib  # noqa: E402
-import io  # noqa: E402
-import os  # noqa: E402
-import tarfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from hybridflow.cache import list_versions, prune_versions  # noqa: E402
-from hybridflow.datasets import DatasetRef  # noqa: E402
-from hybridflow.staging import StagingSettings, blob_prefix  # noqa: E402
-from hybridflow.storage.reader import iter_samples  # noqa: E402
-from hybridflow.storage.sources import S3DatasetSource  # noqa: E402
-from hybridflow.storage.transfer import TransferSettings  # noqa: E402
-
-MiB = 1024 * 1024
 
 
-def _folder(root: Path, name: str, files: dict[str, bytes]) -> DatasetRef:
+def _folder(root: Path, name: str, files: dict[str, bytes]) -> LocalFolderSource:
     folder = root / name
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
-    return DatasetRef(uri=f"file://{folder}", path=folder)
+    return LocalFolderSource(folder)
 
 
 def _small_files(n: int, size: int, seed: int = 0) -> dict[str, bytes]:
@@ -273,17 +387,17 @@ def _age(folder: Path) -> None:
 NO_PACK = StagingSettings(pack="never")
 
 
-def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
+def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(stage, store, tmp_path):
     ds = _folder(tmp_path, "fan", _small_files(40, 2048))
     _age(ds.path)
     index = tmp_path / "index.json"
-    first = _stage(ds, store, settings=NO_PACK, index_path=index)
+    first = stage(ds, store, settings=NO_PACK, index_path=index)
     assert (first.objects_copied, first.files_read) == (40, 40)
     keys = [o.key for o in store.list(blob_prefix("fan"))]
     assert len(keys) == 40 and all(k.split("/")[-2] == k.split("/")[-1][:2] for k in keys)
     log = Requests(store)
     written = index.stat().st_mtime_ns
-    again = _stage(ds, store, settings=NO_PACK, index_path=index)
+    again = stage(ds, store, settings=NO_PACK, index_path=index)
     assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
     # One listing and one HEAD of the committed manifest (its ETag is the one recorded): no
     # download, no write, and the unchanged index is not rewritten either.
@@ -291,46 +405,46 @@ def test_rerun_with_an_index_reads_no_file_and_blobs_fan_out(store, tmp_path):
     assert index.stat().st_mtime_ns == written
     # a changed file is the only one read and sent again
     (ds.path / "class-3/img-00003.bin").write_bytes(b"new content")
-    third = _stage(ds, store, settings=NO_PACK, index_path=index)
+    third = stage(ds, store, settings=NO_PACK, index_path=index)
     assert (third.objects_copied, third.files_read, third.bytes_copied) == (1, 1, len(b"new content"))
     assert third.version != first.version
 
 
-def test_a_known_big_dataset_is_listed_fanned_out_while_it_is_scanned(store, tmp_path):
+def test_a_known_big_dataset_is_listed_fanned_out_while_it_is_scanned(stage, store, tmp_path):
     fanout = StagingSettings(pack="never", fanout_list_min_blobs=10)
     ds = _folder(tmp_path, "wide", _small_files(40, 1024))
     _age(ds.path)
     index = tmp_path / "index.json"
-    first = _stage(ds, store, settings=fanout, index_path=index)
+    first = stage(ds, store, settings=fanout, index_path=index)
     assert first.objects_copied == 40
     log = Requests(store)
-    again = _stage(ds, store, settings=fanout, index_path=index)
+    again = stage(ds, store, settings=fanout, index_path=index)
     assert (again.objects_copied, again.bytes_copied, again.files_read) == (0, 0, 0)
     assert sorted({op for op, _, _ in log.calls}) == ["HeadObject", "ListObjectsV2"]
     assert sum(op == "ListObjectsV2" for op, _, _ in log.calls) == 16  # one per first hex digit
     # the early listing still sees what changed since
     store.delete(next(iter(store.list(blob_prefix("wide")))).key)
     _settle()
-    third = _stage(ds, store, settings=fanout, index_path=index)
+    third = stage(ds, store, settings=fanout, index_path=index)
     assert third.objects_copied == 1 and third.version == first.version
 
 
-def test_a_manifest_replaced_behind_the_index_is_read_and_refused(store, tmp_path):
+def test_a_manifest_replaced_behind_the_index_is_read_and_refused(stage, store, tmp_path):
     ds = _folder(tmp_path, "swap", _small_files(5, 512))
     _age(ds.path)
     index = tmp_path / "index.json"
-    first = _stage(ds, store, settings=NO_PACK, index_path=index)
+    first = stage(ds, store, settings=NO_PACK, index_path=index)
     body = json.loads(store.get_bytes(first.manifest_key))
     body["entries"][0]["size"] += 1
     store.put_bytes(first.manifest_key, json.dumps(body).encode())  # another ETag than recorded
     with pytest.raises(StagingError, match="inconsistent|different entries"):
-        _stage(ds, store, settings=NO_PACK, index_path=index)
+        stage(ds, store, settings=NO_PACK, index_path=index)
 
 
-def test_corrupted_cached_objects_are_all_detected_and_repaired(store, rclone_s3, tmp_path):
+def test_corrupted_cached_objects_are_all_detected_and_repaired(stage, store, rclone_s3, tmp_path):
     files = _small_files(120, 4096, seed=1)
     ds = _folder(tmp_path, "flip", files)
-    first = _stage(ds, store, settings=NO_PACK)
+    first = stage(ds, store, settings=NO_PACK)
     manifest = read_manifest(store, first.manifest_key)
     for entry in manifest.entries:  # one flipped byte in every cached object, size unchanged
         path = _blob_file(rclone_s3, store, entry.key)
@@ -338,11 +452,11 @@ def test_corrupted_cached_objects_are_all_detected_and_repaired(store, rclone_s3
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
     _settle()
-    again = _stage(ds, store, settings=NO_PACK)
+    again = stage(ds, store, settings=NO_PACK)
     assert (again.repaired, again.objects_copied) == (120, 120)
     for entry in manifest.entries:
         assert fetch_verified(store, entry) == files[entry.path]
-    assert _stage(ds, store, settings=NO_PACK).repaired == 0
+    assert stage(ds, store, settings=NO_PACK).repaired == 0
 
 
 def _multipart_settings(**kw) -> StagingSettings:
@@ -350,7 +464,7 @@ def _multipart_settings(**kw) -> StagingSettings:
     return StagingSettings(transfer=tuning, pack="never", shard_max=6 * MiB, shard_target=4 * MiB)
 
 
-def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(store, tmp_path, monkeypatch):
+def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(stage, store, tmp_path, monkeypatch):
     big = os.urandom(23 * MiB)
     ds = _folder(tmp_path, "big", {"weights.bin": big, "meta.json": b"{}"})
     settings = _multipart_settings()
@@ -365,12 +479,12 @@ def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(st
 
     monkeypatch.setattr(store, "upload_part", failing_part)
     with pytest.raises(StagingError, match="re-run stage_data to resume"):
-        _stage(ds, store, settings=settings)
+        stage(ds, store, settings=settings)
     assert [o.key for o in store.list("datasets/big/versions/")] == []
     assert len(store.multipart_uploads(blob_prefix("big"))) == 1
     monkeypatch.setattr(store, "upload_part", real_part)
     log = Requests(store)
-    resumed = _stage(ds, store, settings=settings)
+    resumed = stage(ds, store, settings=settings)
     assert resumed.resumed_parts == 2
     part_bytes = sum(n for op, _, n in log.calls if op == "UploadPart")
     assert part_bytes == len(big) - 2 * 5 * MiB  # only the parts the first run had not sent
@@ -380,24 +494,24 @@ def test_big_file_goes_up_in_verified_parts_and_an_interrupted_upload_resumes(st
     # the listing vouches for the multipart blob from now on (its ETag was recorded in the
     # manifest): nothing is re-sent and, once known to this machine's index, nothing re-read
     index = tmp_path / "idx.json"
-    assert _stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
+    assert stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
     log.calls.clear()
-    assert _stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
+    assert stage(ds, store, settings=settings, index_path=index).bytes_copied == 0
     assert not any(op in ("GetObject", "UploadPart", "PutObject") for op, _, _ in log.calls[:-2])
 
 
-def test_abandoned_multipart_uploads_are_aborted(store, tmp_path):
+def test_abandoned_multipart_uploads_are_aborted(stage, store, tmp_path):
     ds = _folder(tmp_path, "aband", {"weights.bin": os.urandom(7 * MiB)})
     stale = store.start_multipart(f"{blob_prefix('aband')}00/not-needed-any-more")
-    _stage(ds, store, settings=_multipart_settings(abandoned_upload_age_s=0.0))
+    stage(ds, store, settings=_multipart_settings(abandoned_upload_age_s=0.0))
     assert all(u["upload_id"] != stale for u in store.multipart_uploads(blob_prefix("aband")))
 
 
-def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store, tmp_path):
+def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(stage, store, tmp_path):
     files = _small_files(600, 16 * 1024, seed=2)
     ds = _folder(tmp_path, "packed", files)
     settings = StagingSettings(pack="auto", pack_min_files=100, shard_target=2 * MiB, shard_max=4 * MiB)
-    first = _stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
+    first = stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
     assert first.files_packed == 600 and 3 <= first.shards <= 6 and first.objects_copied == first.shards
     manifest = read_manifest(store, first.manifest_key)
     assert {e.path for e in manifest.entries} == set(files)
@@ -412,30 +526,30 @@ def test_small_files_are_packed_into_tar_shards_with_per_sample_integrity(store,
         assert len(names) == shard.members and tar.extractfile(names[0]).read() == files[names[0]]
     # one changed sample changes one shard (or two, at a boundary), not all of them
     (ds.path / "class-5/img-00305.bin").write_bytes(b"relabelled")
-    second = _stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
+    second = stage(ds, store, settings=settings, index_path=tmp_path / "idx.json")
     assert 1 <= second.objects_copied <= 2 and second.version != first.version
     # staging only adds: the first version is still complete and readable
     for entry in read_manifest(store, first.manifest_key).entries[::50]:
         assert fetch_verified(store, entry) == files[entry.path]
 
 
-def test_shards_staged_into_a_private_folder_store_read_back_verified(tmp_path):
+def test_shards_staged_into_a_private_folder_store_read_back_verified(stage, tmp_path):
     files = _small_files(400, 3000, seed=4)
     ds = _folder(tmp_path, "foldered", files)
     target = LocalObjectStore(tmp_path / "cache")
     settings = StagingSettings(pack="always", shard_target=256 * 1024, shard_max=512 * 1024)
-    first = _stage(ds, target, target_location="private", settings=settings)
+    first = stage(ds, target, destination=PRIVATE_EU, settings=settings)
     assert first.shards >= 3 and first.objects_copied == first.shards
     assert dict(iter_samples(target, read_manifest(target, first.manifest_key))) == files
-    again = _stage(ds, target, target_location="private", settings=settings)
+    again = stage(ds, target, destination=PRIVATE_EU, settings=settings)
     assert (again.objects_copied, again.version) == (0, first.version)
 
 
-def test_a_sample_corrupted_inside_a_shard_is_caught_by_the_reader(store, rclone_s3, tmp_path):
+def test_a_sample_corrupted_inside_a_shard_is_caught_by_the_reader(stage, store, rclone_s3, tmp_path):
     files = _small_files(300, 4096, seed=3)
     ds = _folder(tmp_path, "shardrot", files)
     settings = StagingSettings(pack="always", shard_target=1 * MiB, shard_max=2 * MiB)
-    first = _stage(ds, store, settings=settings)
+    first = stage(ds, store, settings=settings)
     entry = read_manifest(store, first.manifest_key).entries[7]
     path = _blob_file(rclone_s3, store, entry.key)
     data = bytearray(path.read_bytes())
@@ -444,11 +558,11 @@ def test_a_sample_corrupted_inside_a_shard_is_caught_by_the_reader(store, rclone
     _settle()
     with pytest.raises(StagingError, match="corrupt"):
         fetch_verified(store, entry)
-    repaired = _stage(ds, store, settings=settings)
+    repaired = stage(ds, store, settings=settings)
     assert repaired.repaired == 1 and fetch_verified(store, entry) == files[entry.path]
 
 
-def test_stage_from_a_private_s3_bucket(store, rclone_s3, tmp_path):
+def test_stage_from_a_private_s3_bucket(stage, store, rclone_s3, tmp_path):
     endpoint, access, secret, _ = rclone_s3
     private = S3ObjectStore(f"hf-private-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, access_key=access,
                             secret_key=secret)
@@ -458,44 +572,45 @@ def test_stage_from_a_private_s3_bucket(store, rclone_s3, tmp_path):
         private.put_bytes(f"datasets/shots/{rel}", data)
     source = S3DatasetSource(private, "datasets/shots")
     index = tmp_path / "s3-index.json"
-    first = _stage(source, store, settings=NO_PACK, index_path=index)
+    first = stage(source, store, settings=NO_PACK, index_path=index)
     assert first.objects_copied == 30 and first.dataset == "shots"
     for entry in read_manifest(store, first.manifest_key).entries:
         assert fetch_verified(store, entry) == files[entry.path]
     reads = Requests(private)
-    again = _stage(source, store, settings=NO_PACK, index_path=index)
+    again = stage(source, store, settings=NO_PACK, index_path=index)
     assert again.bytes_copied == 0 and again.files_read == 0
     assert [op for op, _, _ in reads.calls] == ["ListObjectsV2"]  # one listing of the source, nothing else
 
 
-def test_restricted_data_from_an_s3_source_never_reaches_a_public_store(store, rclone_s3):
+def test_restricted_data_from_an_s3_source_never_reaches_a_public_store(stage, store, rclone_s3):
     endpoint, access, secret, _ = rclone_s3
     private = S3ObjectStore(f"hf-private-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, access_key=access,
                             secret_key=secret)
     private.ensure_bucket()
     private.put_bytes("datasets/patients/a.csv", b"x,y\n")
     log = Requests(store)
-    with pytest.raises(SovereigntyError):
-        _stage(S3DatasetSource(private, "datasets/patients"), store, sensitivity="restricted")
+    with pytest.raises(SovereigntyError, match="'patients' is restricted"):
+        stage(S3DatasetSource(private, "datasets/patients"), store)
     assert log.calls == []
+    _bucket_is_empty(rclone_s3, store)
 
 
-def test_long_copies_log_progress(store, tmp_path, caplog):
+def test_long_copies_log_progress(stage, store, tmp_path, caplog):
     ds = _folder(tmp_path, "progress", _small_files(200, 8192, seed=5))
     settings = StagingSettings(pack="never", transfer=TransferSettings(progress_every_s=0.0, workers=2))
     with caplog.at_level(logging.INFO, logger="hybridflow.staging"):
-        _stage(ds, store, settings=settings, log=logging.getLogger("hybridflow.staging"))
+        stage(ds, store, settings=settings, log=logging.getLogger("hybridflow.staging"))
     lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
     assert lines and "/200 objects" in lines[-1] and ("KiB/s" in lines[-1] or "MiB/s" in lines[-1])
 
 
-def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(store, tmp_path):
+def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(stage, store, tmp_path):
     files = _small_files(12, 1000, seed=6)
     ds = _folder(tmp_path, "vers", files)
     results = []
     for i in range(5):
         (ds.path / "changing.txt").write_bytes(f"version {i}".encode())
-        results.append(_stage(ds, store, settings=NO_PACK))
+        results.append(stage(ds, store, settings=NO_PACK))
         time.sleep(1.1)  # created_at has one-second resolution
     versions = list_versions(store, "vers")
     assert [v.version for v in versions] == [r.version for r in reversed(results)]
@@ -515,7 +630,7 @@ def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(store, 
 
 
 def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection(
-    rclone_s3, tmp_path, monkeypatch, capsys
+    stage, rclone_s3, tmp_path, monkeypatch, capsys
 ):
     import shutil as _shutil
 
@@ -540,7 +655,7 @@ def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection
     made = []
     for i in range(4):
         (ds.path / "b.txt").write_bytes(f"b{i}".encode())
-        made.append(_stage(ds, store, settings=NO_PACK).version)
+        made.append(stage(ds, store, settings=NO_PACK).version)
         time.sleep(1.1)
     assert main(["cache", "versions", "--cluster", "cloud-east", "--dataset", "clidata"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -555,7 +670,7 @@ def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection
         main(["cache", "versions", "--cluster", "onprem-a", "--dataset", "clidata"])
 
 
-def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_recopied(store, tmp_path, rclone_s3):
+def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_recopied(stage, store, tmp_path, rclone_s3):
     big = {f"weights/{i}.bin": os.urandom(7 * MiB + i) for i in range(4)}
     ds = _folder(tmp_path, "whole", {**big, "meta.json": b"{}"})
     _age(ds.path)
@@ -563,7 +678,7 @@ def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_rec
     settings = StagingSettings(transfer=tuning, pack="never", shard_max=6 * MiB, shard_target=4 * MiB)
     index = tmp_path / "index.json"
     log = Requests(store)
-    first = _stage(ds, store, settings=settings, index_path=index)
+    first = stage(ds, store, settings=settings, index_path=index)
     ops = [op for op, _, _ in log.calls]
     # One PutObject per file and no multipart request or HEAD after any of them.
     assert ops.count("PutObject") >= 5 and "CreateMultipartUpload" not in ops and "UploadPart" not in ops
@@ -581,29 +696,29 @@ def test_several_big_files_go_up_whole_checked_by_md5_and_a_corrupted_one_is_rec
     data[12345] ^= 0xFF
     path.write_bytes(bytes(data))
     _settle()
-    again = _stage(ds, store, settings=settings, index_path=index)
+    again = stage(ds, store, settings=settings, index_path=index)
     assert (again.repaired, again.objects_copied, again.bytes_copied) == (1, 1, len(big["weights/2.bin"]))
     assert fetch_verified(store, read_manifest(store, again.manifest_key).entry("weights/2.bin")) == big["weights/2.bin"]
 
 
-def test_fewer_big_files_than_whole_objects_min_still_go_up_in_parts(store, tmp_path):
+def test_fewer_big_files_than_whole_objects_min_still_go_up_in_parts(stage, store, tmp_path):
     ds = _folder(tmp_path, "parts", {"a.bin": os.urandom(7 * MiB), "b.bin": os.urandom(8 * MiB)})
     log = Requests(store)
-    _stage(ds, store, settings=_multipart_settings())
+    stage(ds, store, settings=_multipart_settings())
     ops = [op for op, _, _ in log.calls]
     assert ops.count("CreateMultipartUpload") == 2 and ops.count("UploadPart") == 4
 
 
 def test_small_files_go_up_through_the_crt_and_a_store_whose_etags_are_not_md5s_gets_them_again_checked(
-    store, tmp_path
+    stage, store, tmp_path
 ):
     src = tmp_path / "small"
     src.mkdir()
     for i in range(12):
         (src / f"s{i:02d}.bin").write_bytes(os.urandom(3000 + i))
-    ds = DatasetRef(uri=f"file://{src}", path=src)
+    ds = LocalFolderSource(src)
     log = Requests(store)
-    first = _stage(ds, store, settings=StagingSettings(pack="never"))
+    first = stage(ds, store, settings=StagingSettings(pack="never"))
     assert first.objects_copied == 12
     crt_puts = [c for c in log.calls if c[0] == "PutObject" and c[2] in range(3000, 3012)]
     assert len(crt_puts) == 12 and not store.content_md5
@@ -624,7 +739,7 @@ def test_small_files_go_up_through_the_crt_and_a_store_whose_etags_are_not_md5s_
     other.client.meta.events.register(
         "before-send.s3.PutObject", lambda request, **kw: sent.append("Content-MD5" in request.headers)
     )
-    again = _stage(ds, other, settings=StagingSettings(pack="never"))
+    again = stage(ds, other, settings=StagingSettings(pack="never"))
     assert again.objects_copied == 12 and other.content_md5
     assert sent.count(True) >= 12  # every blob (and the manifest) checked by the store
     manifest = read_manifest(other, again.manifest_key)
