@@ -172,9 +172,9 @@ def write_estate(folder: Path, private_gpus: int, onprem: float, on_demand: floa
 
 def as_run(job: Job) -> AdmittedRun:
     return AdmittedRun(
-        project="trace", team="trace", dataset_path="-", workers=job.gpus, gpu_type=GPU,
-        sensitivity="restricted" if job.restricted else "internal", priority=job.priority,
-        interruptible=job.interruptible, spot_allowed=job.interruptible, train_steps=1, checkpoint_every_steps=1,
+        project="trace", team="trace", model="trace", dataset="trace", dataset_location="-", workers=job.gpus,
+        gpu_type=GPU, classification="restricted" if job.restricted else "internal", priority=job.priority,
+        interruptible=job.interruptible, spot_allowed=job.interruptible, checkpoint_every_steps=1,
     )
 
 

@@ -35,3 +35,23 @@ def rclone_s3(tmp_path_factory):
     server = RcloneS3Server(data_dir, access, secret, log_path=data_dir.parent / "rclone-s3.log")
     with server:
         yield server.endpoint_url, access, secret, data_dir
+
+
+@pytest.fixture(scope="session")
+def seeded_private(tmp_path_factory) -> Path:
+    """Private storage holding the catalogue's example datasets, seeded once per test session.
+    Read it in place, or copy it (``copy_seeded``) where a test writes."""
+    from hybridflow.config import load_estate
+    from hybridflow.datasets import seed
+
+    root = tmp_path_factory.mktemp("seeded") / "private"
+    for entry in load_estate(REPO / "config").datasets.datasets.values():
+        seed(entry, root)
+    return root
+
+
+def copy_seeded(seeded: Path, private_root: Path) -> Path:
+    import shutil
+
+    shutil.copytree(seeded, private_root, dirs_exist_ok=True)
+    return private_root

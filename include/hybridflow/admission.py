@@ -1,34 +1,34 @@
 """Admit a run: check the trigger Params against the estate before anything is staged or started.
 
-``admit`` is pure: it reads the config and checks that the dataset folder exists, and writes nothing,
-so a refused run leaves no trace to clean up. Every refusal is an :class:`AdmissionError` naming the
-Param at fault and what to change.
+``admit`` resolves the model (``config/models.yaml``) and the dataset (``config/datasets.yaml``), takes
+the data's classification from the catalogue (a Param may raise it, never lower it), imports the
+model's entry points, checks the expectation suites and compares the data's header with the
+schema. It writes nothing, so a refused run leaves no trace to clean up. Every refusal is an
+:class:`AdmissionError` naming the Param (or catalogue key) at fault and what to change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hybridflow.budgets.enforce import refuse_if_frozen
+from hybridflow.catalogue import CLASSIFICATIONS, rank
 from hybridflow.config import Estate
-from hybridflow.datasets import resolve_dataset
 from hybridflow.errors import AdmissionError
 from hybridflow.gpumem import SHARDINGS, Optimizer, Precision, Sharding, estimate
 from hybridflow.params import PARAM_DEFAULTS
 
 __all__ = ["PARAM_DEFAULTS", "AdmittedRun", "RunRequest", "admit"]
 
-Sensitivity = Literal["public", "internal", "restricted"]
+Classification = Literal["public", "internal", "restricted"]
 Priority = Literal["critical", "normal", "batch"]
 ClusterPreference = Literal["auto", "private", "public"]
 PlacementStrategy = Literal["local_first", "elastic_first"]
 Compression = Literal["int8", "fp16", "best"]
-# The pipeline's built-in model (hybridflow.training.model, hidden=128): 64*128+128 + 128*64+64 + 64*10+10.
-BUILTIN_MODEL_PARAMS = 17_226
 
 
 class RunRequest(BaseModel):
@@ -36,9 +36,12 @@ class RunRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    project: str = Field(default="digits-ocr", min_length=1)
-    dataset_uri: str = Field(default="private://datasets/digits", min_length=1)
-    sensitivity: Sensitivity = "internal"
+    model: str | None = Field(default=None, min_length=1)  # None: pipeline.yaml defaults.model
+    dataset: str | None = Field(default=None, min_length=1)  # None: the model's dataset
+    project: str | None = Field(default=None, min_length=1)  # None: the model's project
+    classification: Classification | None = None  # None: the catalogue's; set only to raise it
+    regions: list[str] | None = None  # None: wherever the dataset may go
+    hyperparameters: dict[str, Any] | None = None  # overrides of the model's defaults
     workers: int = Field(default=2, ge=1)
     gpu_type: str = Field(default="A100-80GB", min_length=1)
     priority: Priority = "normal"
@@ -47,11 +50,10 @@ class RunRequest(BaseModel):
     cluster_preference: ClusterPreference = "auto"
     placement_strategy: PlacementStrategy = "local_first"
     max_price_per_gpu_hour: float = Field(default=0.0, ge=0, le=1000)  # 0: no ceiling
-    model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the pipeline's built-in model
+    model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the model's registered parameters
     precision: Precision = "fp32"
     optimizer: Optimizer = "sgd_momentum"
     sharding: Sharding = "none"
-    train_steps: int = Field(default=300, ge=1, le=100_000)
     checkpoint_every_steps: int = Field(default=50, ge=1)
     compression: Compression = "best"  # best: try int8 and fp16, keep the smallest that passes
     deploy: bool = True
@@ -62,7 +64,7 @@ class RunRequest(BaseModel):
     def _no_override(cls, value: Any) -> Any:
         return "" if value is None else value  # the trigger form sends null for an empty field
 
-    @field_validator("workers", "train_steps", "checkpoint_every_steps", mode="before")
+    @field_validator("workers", "checkpoint_every_steps", mode="before")
     @classmethod
     def _no_bool_counts(cls, value: Any) -> Any:
         # bool is an int subclass: workers=true would silently become 1 GPU.
@@ -70,9 +72,14 @@ class RunRequest(BaseModel):
             raise ValueError("expected a whole number, not true/false")
         return value
 
+    @field_validator("model", "dataset", "project", "classification", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # the form's cleared text field
+
     @property
     def must_stay_private(self) -> bool:
-        return self.sensitivity == "restricted"
+        return self.classification == "restricted"
 
     @property
     def spot_eligible(self) -> bool:
@@ -80,10 +87,12 @@ class RunRequest(BaseModel):
 
 
 class AdmittedRun(RunRequest):
-    """A request that passed admission, plus what admission resolved. Travels between tasks as XCom."""
+    """A request that passed admission with every default resolved (model, dataset, project, the data's
+    effective classification and allowed regions, the full hyper-parameters), plus the team and the
+    dataset's location. Travels between tasks as XCom."""
 
     team: str
-    dataset_path: str
+    dataset_location: str
 
     @property
     def request(self) -> RunRequest:
@@ -107,11 +116,13 @@ def admit(
     private_root: Path,
     *,
     team_usage: Mapping[str, int] | None = None,
+    file_roots: Sequence[Path] = (),
 ) -> AdmittedRun:
     """Validate ``raw`` trigger Params against ``estate``; missing Params take their defaults.
 
     ``team_usage`` (team -> GPUs its gangs hold now) lets ``admission.over_team_cap: refuse`` turn
     away a run that would take its team past ``gpu_cap``; without it only the static cap is checked.
+    ``file_roots`` are the folders ``file://`` datasets may live in (pipeline.yaml ``data.file_roots``).
     """
     if not isinstance(raw, Mapping):
         raise AdmissionError("params", f"expected a mapping of Param name to value, got {type(raw).__name__}")
@@ -122,6 +133,7 @@ def admit(
             f"unknown parameter(s) {', '.join(unknown)}; remove them. Known parameters: {', '.join(_FIELDS)}",
         )
     req = _parse(raw)
+    req, model, entry = _resolve_names(req, estate)
 
     project = estate.projects.get(req.project)
     if project is None:
@@ -148,7 +160,7 @@ def admit(
             "gpu_type",
             f"no cluster has {req.gpu_type} GPUs; use one of the models on offer: {', '.join(offered)}",
         )
-    _check_memory(req, estate.gpu_types[req.gpu_type].memory_gib, project.max_workers,
+    _check_memory(req, model.parameters, estate.gpu_types[req.gpu_type].memory_gib, project.max_workers,
                   estate.pipeline.admission.activation_headroom)
     if req.spot_allowed and not req.interruptible:
         raise AdmissionError(
@@ -158,19 +170,102 @@ def admit(
     if req.must_stay_private and req.cluster_preference == "public":
         raise AdmissionError(
             "cluster_preference",
-            "restricted data never leaves private clusters; set cluster_preference=private or auto "
-            "(or lower sensitivity if the data is not restricted)",
+            f"dataset {req.dataset!r} is restricted and restricted data never leaves private clusters; set "
+            "cluster_preference=private or auto",
         )
     _check_team_cap(req, project.team, estate, team_usage)
     _check_price_ceiling(req, estate)
-    if req.checkpoint_every_steps > req.train_steps:
+    from hybridflow.datacheck import check_dataset, check_entrypoints
+
+    location = check_dataset(entry, private_root, file_roots)
+    check_entrypoints(model)
+    return AdmittedRun(**req.model_dump(), team=project.team, dataset_location=location)
+
+
+def _resolve_names(req: RunRequest, estate: Estate):
+    """Fill the model, dataset, project, classification, regions and hyper-parameters the trigger
+    left empty, and check what it named. Returns (request, model entry, dataset entry)."""
+    name = req.model or estate.pipeline.defaults.model
+    if name is None:
+        raise AdmissionError("model", f"name a model of models.yaml: {', '.join(sorted(estate.models.models))} "
+                             "(or set defaults.model in pipeline.yaml)")
+    try:
+        model = estate.models.get(name)
+    except KeyError as exc:
+        raise AdmissionError("model", str(exc.args[0])) from None
+    try:
+        entry = estate.datasets.get(req.dataset or model.dataset)
+    except KeyError as exc:
+        raise AdmissionError("dataset", str(exc.args[0])) from None
+    if req.dataset and req.dataset != model.dataset:
+        from hybridflow.registry import signature_problems
+
+        problems = signature_problems(model, entry.column_types)
+        if problems:
+            raise AdmissionError("dataset", f"model {name} cannot train on dataset {entry.name}: {problems[0]}; use a "
+                                 f"dataset with its columns (its own is {model.dataset})")
+    project = req.project or model.project
+    if project is None:
+        raise AdmissionError("project", f"model {name} names no project in models.yaml; set the project Param "
+                             f"to one of: {', '.join(sorted(estate.projects))}")
+    return req.model_copy(update={
+        "model": name, "dataset": entry.name, "project": project,
+        "classification": _classification(req.classification, entry),
+        "regions": _regions(req.regions, entry.regions, estate),
+        "hyperparameters": _hyperparameters(req.hyperparameters or {}, model),
+    }), model, entry
+
+
+def _classification(raised: str | None, entry) -> str:
+    """The data's classification for this run: the catalogue's (restricted when it has none), or a
+    stricter one the trigger asked for."""
+    own = entry.effective_classification
+    if raised is None:
+        return own
+    if rank(raised) < rank(own):
+        stricter = [c for c in CLASSIFICATIONS if rank(c) >= rank(own)]
         raise AdmissionError(
-            "checkpoint_every_steps",
-            f"{req.checkpoint_every_steps} is more than train_steps={req.train_steps}, so no checkpoint would "
-            f"ever be written; set it to at most {req.train_steps}",
+            "classification",
+            f"dataset {entry.name!r} is {own} (datasets.yaml{'' if entry.classification else ', unclassified'}); a "
+            f"run may raise its classification, never lower it: leave classification empty or use "
+            f"{' or '.join(stricter)}",
         )
-    dataset = resolve_dataset(req.dataset_uri, private_root)
-    return AdmittedRun(**req.model_dump(), team=project.team, dataset_path=str(dataset.path))
+    return raised
+
+
+def _regions(asked: list[str] | None, allowed: list[str], estate: Estate) -> list[str]:
+    """Where the data may go for this run: the dataset's regions, narrowed by the Param."""
+    if not asked:
+        return list(allowed)
+    known = estate.known_areas()
+    for area in asked:
+        if area not in known:
+            raise AdmissionError("regions", f"unknown region {area!r}; use regions or jurisdictions of clusters.yaml: "
+                                 f"{', '.join(known)}")
+    if allowed:
+        areas_of = {a: {a} | {x for c in estate.clusters.values() if a in c.areas for x in c.areas} for a in asked}
+        wider = [a for a in asked if a not in allowed and not (areas_of[a] & set(allowed))]
+        if wider:
+            raise AdmissionError("regions", f"{', '.join(wider)} is outside what the dataset allows "
+                                 f"({', '.join(allowed)}); a run may narrow the regions, never widen them")
+    return list(asked)
+
+
+def _hyperparameters(overrides: Mapping[str, Any], model) -> dict[str, Any]:
+    if not isinstance(overrides, Mapping):
+        raise AdmissionError("hyperparameters", f"expected an object of name -> value, got {type(overrides).__name__}")
+    known = model.hyperparameters
+    for name, value in overrides.items():
+        spec = known.get(name)
+        if spec is None:
+            raise AdmissionError("hyperparameters", f"model {model.name} has no hyper-parameter {name!r}; known: "
+                                 f"{', '.join(sorted(known)) or 'none'} (models.yaml)")
+        if spec.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        problem = spec.problem(value)
+        if problem:
+            raise AdmissionError(f"hyperparameters.{name}", f"{problem}; e.g. {name}={spec.default!r}")
+    return {**model.defaults(), **{k: (float(v) if known[k].type == "float" else v) for k, v in overrides.items()}}
 
 
 def _check_team_cap(req: RunRequest, team_name: str, estate: Estate, usage: Mapping[str, int] | None) -> None:
@@ -217,9 +312,9 @@ def _check_price_ceiling(req: RunRequest, estate: Estate) -> None:
         )
 
 
-def _check_memory(req: RunRequest, gpu_memory_gib: float, quota: int, headroom: float) -> None:
+def _check_memory(req: RunRequest, registered: int, gpu_memory_gib: float, quota: int, headroom: float) -> None:
     """Refuse a gang whose model state cannot fit its GPUs, saying what would fit."""
-    params = int(req.model_params_b * 1e9) if req.model_params_b else BUILTIN_MODEL_PARAMS
+    params = int(req.model_params_b * 1e9) if req.model_params_b else registered
     est = estimate(params, precision=req.precision, optimizer=req.optimizer, sharding=req.sharding,
                    workers=req.workers, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
     if est.fits:

@@ -9,24 +9,53 @@ from __future__ import annotations
 from typing import Any
 
 TRAINING_PARAMS: dict[str, dict[str, Any]] = {
-    "project": {
-        "default": "digits-ocr",
-        "type": "string",
-        "title": "Project",
-        "description": "The project the run belongs to (config/projects.yaml); quotas and cost follow it.",
+    "model": {
+        "default": None,
+        # null too: the Airflow 3 trigger form sends null for a cleared field.
+        "type": ["null", "string"],
+        "title": "Model",
+        "description": "A model registered in config/models.yaml (its training code, metric and serving "
+        "signature). Empty: pipeline.yaml's defaults.model.",
     },
-    "dataset_uri": {
-        "default": "private://datasets/digits",
-        "type": "string",
+    "dataset": {
+        "default": None,
+        "type": ["null", "string"],
         "title": "Dataset",
-        "description": "Dataset folder in private storage, e.g. private://datasets/digits (train.csv + test.csv).",
+        "description": "A dataset of the catalogue, config/datasets.yaml, with the columns the model reads. "
+        "Empty: the model's own dataset.",
     },
-    "sensitivity": {
-        "default": "internal",
-        "type": "string",
-        "enum": ["public", "internal", "restricted"],
-        "title": "Data sensitivity",
-        "description": "restricted data never leaves private clusters and storage.",
+    "project": {
+        "default": None,
+        "type": ["null", "string"],
+        "title": "Project",
+        "description": "The project the run belongs to (config/projects.yaml); quotas and cost follow it. "
+        "Empty: the model's project.",
+    },
+    "classification": {
+        "default": None,
+        "type": ["null", "string"],
+        "enum": [None, "public", "internal", "restricted"],
+        # The form shows a select; null would read "null" without a label of its own.
+        "values_display": {"null": "(the catalogue's)", "public": "public", "internal": "internal",
+                           "restricted": "restricted"},
+        "title": "Raise the data classification",
+        "description": "The dataset's classification comes from the catalogue; set this only to handle the data "
+        "more strictly for this run (e.g. restricted: private clusters and storage only). It cannot be lowered.",
+    },
+    "regions": {
+        "default": None,
+        "type": ["null", "array"],
+        "items": {"type": "string"},
+        "title": "Keep the data in these regions",
+        "description": "Cluster regions or jurisdictions (clusters.yaml) this run may use, one per line, within "
+        "what the dataset allows (e.g. eu). Empty: wherever the dataset may go.",
+    },
+    "hyperparameters": {
+        "default": None,
+        "type": ["null", "object"],
+        "title": "Hyper-parameters",
+        "description": "Overrides of the model's hyper-parameters (models.yaml), e.g. {\"steps\": 200}; "
+        "each is checked against its type and range.",
     },
     "workers": {
         "default": 2,
@@ -90,7 +119,7 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
         "minimum": 0,
         "maximum": 10000,
         "title": "Model size (billions of parameters)",
-        "description": "For the GPU memory check at admission; 0 means the pipeline's built-in model.",
+        "description": "For the GPU memory check at admission; 0 means the model's registered parameter count.",
     },
     "precision": {
         "default": "fp32",
@@ -113,20 +142,13 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
         "title": "State sharding",
         "description": "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 (FSDP) also weights.",
     },
-    "train_steps": {
-        "default": 300,
-        "type": "integer",
-        "minimum": 1,
-        "maximum": 100000,
-        "title": "Training steps",
-        "description": "Optimizer steps for the whole gang.",
-    },
     "checkpoint_every_steps": {
         "default": 50,
         "type": "integer",
         "minimum": 1,
         "title": "Checkpoint every N steps",
-        "description": "A retried or preempted run loses at most this many steps.",
+        "description": "A retried or preempted run loses at most this many steps (the training code asks "
+        "ctx.checkpoint.due(step)).",
     },
     "compression": {
         "default": "best",

@@ -4,12 +4,15 @@ The estate is one logical pool over labelled clusters. Each cluster is assessed 
 :data:`RULES`, in order; every rule a cluster fails is recorded against it (``rules`` per candidate):
 
 1. ``excluded``: a cluster that already failed this run (gang not admitted in time) is skipped;
-2. ``sovereignty``: restricted data runs on private clusters only (never switched off);
-3. ``preference``: ``cluster_preference`` private/public keeps only clusters of that location;
-4. ``gpu_model``: the cluster needs a node pool of ``gpu_type``;
-5. ``spot``: spot pools only for runs that are interruptible *and* allow spot;
-6. ``gang_fits``: a gang runs in one pool, so the pool needs ``workers`` GPUs;
-7. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling).
+2. ``sovereignty``: restricted data runs on private clusters only (never switched off); the
+   classification is the dataset's own (``datasets.yaml``), raised by the run if it asked;
+3. ``region``: a dataset limited to regions or jurisdictions (``regions``) runs only on clusters in
+   one of them (region or jurisdiction of ``clusters.yaml``);
+4. ``preference``: ``cluster_preference`` private/public keeps only clusters of that location;
+5. ``gpu_model``: the cluster needs a node pool of ``gpu_type``;
+6. ``spot``: spot pools only for runs that are interruptible *and* allow spot;
+7. ``gang_fits``: a gang runs in one pool, so the pool needs ``workers`` GPUs;
+8. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling).
 
 Among eligible clusters, ``auto`` runs follow ``placement_strategy``: ``local_first`` prefers private
 clusters until the private share in use (plus queued, when ``placement.spill_counts_queue``) reaches
@@ -142,7 +145,15 @@ def _rule_excluded(ctx: _Context, cand: _Candidate) -> str | None:
 
 def _rule_sovereignty(ctx: _Context, cand: _Candidate) -> str | None:
     if cand.cluster.location == "public" and ctx.run.must_stay_private:
-        return "restricted data never leaves private clusters"
+        return f"dataset {ctx.run.dataset} is restricted: restricted data never leaves private clusters"
+    return None
+
+
+def _rule_region(ctx: _Context, cand: _Candidate) -> str | None:
+    allowed = ctx.run.regions or []
+    if allowed and not set(cand.cluster.areas) & set(allowed):
+        return (f"dataset {ctx.run.dataset} may only be processed in {', '.join(allowed)}; the cluster is in "
+                f"{' / '.join(cand.cluster.areas)}")
     return None
 
 
@@ -205,6 +216,7 @@ Rule = Callable[[_Context, _Candidate], "str | None"]
 RULES: tuple[tuple[str, Rule], ...] = (
     ("excluded", _rule_excluded),
     ("sovereignty", _rule_sovereignty),
+    ("region", _rule_region),
     ("preference", _rule_preference),
     ("gpu_model", _rule_gpu_model),
     ("spot", _rule_spot),
@@ -253,7 +265,9 @@ def choose_cluster(
     if not eligible:
         err = PlacementError(
             f"no cluster can take {run.workers} x {run.gpu_type} for project {run.project!r} "
-            f"(sensitivity={run.sensitivity}, cluster_preference={run.cluster_preference}, "
+            f"(dataset {run.dataset} {run.classification}"
+            + (f" in {', '.join(run.regions)}" if run.regions else "")
+            + f", cluster_preference={run.cluster_preference}, "
             f"spot {'allowed' if run.spot_eligible else 'not allowed'}"
             + (f", max_price_per_gpu_hour={run.max_price_per_gpu_hour:g}" if run.max_price_per_gpu_hour else "")
             + "):\n"
@@ -270,6 +284,9 @@ def choose_cluster(
     assert winner.pool is not None
     pool = winner.pool
     why = _policy_reason(run, winner, share, threshold, spilling)
+    if run.regions:
+        why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
+                   f"{' / '.join(winner.cluster.areas)}")
     why.append(f"node pool {pool.name} has {pool.gpus} {pool.gpu_model} GPUs for a gang of {run.workers}")
     if pool.spot:
         why.append("spot pool: the run is interruptible and allows spot")
@@ -334,7 +351,7 @@ def _policy_reason(run: AdmittedRun, winner: _Candidate, share: float, threshold
     loc = winner.cluster.location
     busy = f"private clusters {share:.0%} in use or queued"
     if run.must_stay_private:
-        return ["data is restricted: private clusters only"]
+        return [f"dataset {run.dataset} is restricted: private clusters only"]
     if run.cluster_preference != "auto":
         return [f"cluster_preference={run.cluster_preference}: {loc} clusters only"]
     if run.placement_strategy == "elastic_first":

@@ -225,15 +225,11 @@ def test_a_raised_budget_lets_runs_in_at_once_and_the_next_evaluation_lifts_the_
     assert "now 40,000.00 USD, above the 25,010.00 USD spent" in state.reason
 
 
-def test_admit_itself_refuses_a_frozen_project_and_records_nothing(webhook, store, tmp_path, monkeypatch):
+def test_admit_itself_refuses_a_frozen_project_and_records_nothing(webhook, store, seeded_private, monkeypatch):
     estate = load_estate(REPO_ROOT / "config")
     _evaluate(store, estate, _Ledger(digits_ocr=30_000.0))
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", str(store.engine.url))
-    private = tmp_path / "private"
-    data = private / "datasets" / "digits"
-    data.mkdir(parents=True)
-    for split in ("train", "test"):
-        (data / f"{split}.csv").write_text("pixel_0,label\n0,1\n")
+    private = seeded_private
     monkeypatch.setattr("hybridflow.budgets.enforce.datetime", _FixedClock)
     with pytest.raises(AdmissionError, match="^priority: project 'digits-ocr' has spent 30,000.00 USD"):
         admit({"project": "digits-ocr"}, estate, private)

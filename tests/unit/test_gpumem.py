@@ -49,12 +49,8 @@ def estate():
 
 
 @pytest.fixture
-def private_root(tmp_path):
-    folder = tmp_path / "private" / "datasets" / "digits"
-    folder.mkdir(parents=True)
-    for split in ("train", "test"):
-        (folder / f"{split}.csv").write_text("pixel_0,label\n0,1\n")
-    return tmp_path / "private"
+def private_root(seeded_private):
+    return seeded_private  # admission only reads it
 
 
 def test_admission_suggests_a_gang_size_that_fits(estate, private_root):
@@ -77,4 +73,4 @@ def test_admission_refuses_a_model_no_sharding_can_fit_within_the_quota(estate, 
 def test_unsharded_model_that_fits_one_gpu_is_admitted(estate, private_root):
     run = admit({"model_params_b": 1.5, "precision": "bf16", "optimizer": "adamw"}, estate, private_root)
     assert run.model_params_b == 1.5  # 1.5B * 16 B = 24 GB < 64 GB usable
-    assert admit({}, estate, private_root).model_params_b == 0.0  # the built-in model
+    assert admit({}, estate, private_root).model_params_b == 0.0  # the registered model's own parameter count

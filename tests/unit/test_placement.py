@@ -26,12 +26,9 @@ def estate() -> Estate:
 
 
 @pytest.fixture
-def private_root(tmp_path: Path) -> Path:
-    folder = tmp_path / "private" / "datasets" / "digits"
-    folder.mkdir(parents=True)
-    (folder / "train.csv").write_text("pixel_0,label\n0,1\n")
-    (folder / "test.csv").write_text("pixel_0,label\n0,1\n")
-    return tmp_path / "private"
+def private_root(seeded_private: Path) -> Path:
+    """Private storage with the example datasets (admission reads them; nothing writes here)."""
+    return seeded_private
 
 
 @pytest.fixture
@@ -72,21 +69,22 @@ def test_default_run_goes_private_first(estate: Estate, run_for) -> None:
 
 def test_restricted_with_public_preference_is_refused_at_admission(run_for) -> None:
     with pytest.raises(AdmissionError) as info:
-        run_for(sensitivity="restricted", cluster_preference="public", **SPOT)
+        run_for(classification="restricted", cluster_preference="public", **SPOT)
     assert info.value.field == "cluster_preference"
 
 
 def test_restricted_stays_private_even_when_private_is_full(estate: Estate, run_for) -> None:
-    run = run_for(sensitivity="restricted", **SPOT)
+    run = run_for(classification="restricted", **SPOT)
     d = choose_cluster(run, estate, {"onprem-a": 4})
     assert d.cluster == "onprem-a" and d.location == "private"
     assert "restricted" in d.reasons[0]
-    assert "restricted data never leaves private clusters" in candidate(d, "cloud-east")["reasons"]
+    assert "dataset digits is restricted: restricted data never leaves private clusters" in candidate(
+        d, "cloud-east")["reasons"]
 
 
 def test_restricted_placement_refuses_forged_public_preference(estate: Estate, run_for) -> None:
     # A hand-edited XCom must not sneak restricted data onto a public cluster.
-    forged = AdmittedRun.from_xcom({**run_for(**SPOT).to_xcom(), "sensitivity": "restricted"})
+    forged = AdmittedRun.from_xcom({**run_for(**SPOT).to_xcom(), "classification": "restricted"})
     forged = forged.model_copy(update={"cluster_preference": "public"})
     with pytest.raises(PlacementError) as info:
         choose_cluster(forged, estate, {})
@@ -224,7 +222,8 @@ def test_odd_usage_numbers_are_clamped(estate: Estate, run_for) -> None:
 def test_every_candidate_records_each_rule(estate: Estate, run_for) -> None:
     d = choose_cluster(run_for(), estate, {})
     east = candidate(d, "cloud-east")["rules"]
-    assert list(east) == ["excluded", "sovereignty", "preference", "gpu_model", "spot", "gang_fits", "price_ceiling"]
+    assert list(east) == ["excluded", "sovereignty", "region", "preference", "gpu_model", "spot", "gang_fits",
+                          "price_ceiling"]
     assert east["spot"].startswith("its A100-80GB GPUs are spot only")
     assert set(candidate(d, "onprem-a")["rules"].values()) == {"pass"}
 
@@ -235,7 +234,7 @@ def test_elastic_first_takes_public_capacity_while_private_is_idle(estate: Estat
     assert any("elastic_first" in r for r in d.reasons)
     assert any("elastic_first: public clusters come first" in r for r in candidate(d, "onprem-a")["reasons"])
     # Restricted data ignores the strategy: it stays private.
-    private = choose_cluster(run_for(placement_strategy="elastic_first", sensitivity="restricted", **SPOT), estate, {})
+    private = choose_cluster(run_for(placement_strategy="elastic_first", classification="restricted", **SPOT), estate, {})
     assert private.cluster == "onprem-a"
 
 
@@ -269,3 +268,45 @@ def test_failover_history_is_part_of_the_decision(tmp_path: Path, run_for) -> No
     d = choose_cluster(run_for(est), est, {}, exclude={"onprem-b": "gang not admitted within 120 s"})
     assert d.failovers == [{"cluster": "onprem-b", "reason": "gang not admitted within 120 s"}]
     assert "failed over from:\n  - onprem-b: gang not admitted within 120 s" in d.explain()
+
+
+def test_a_restricted_dataset_with_default_params_stays_private(estate: Estate, run_for) -> None:
+    # The classification comes from the catalogue: breast-cancer is restricted there, so a run with
+    # default Params (auto, local_first) never spills it, however busy the private pool is.
+    run = run_for(model="breast-cancer", **SPOT)
+    assert run.classification == "restricted"
+    d = choose_cluster(run, estate, {"onprem-a": 4}, queued_gpus={"onprem-a": 8})
+    assert d.cluster == "onprem-a"
+    assert candidate(d, "cloud-east")["rules"]["sovereignty"].startswith("dataset breast-cancer is restricted")
+
+
+def _eu_estate(tmp_path: Path) -> Estate:
+    """The shipped estate plus an EU cloud, with the digits dataset limited to the EU."""
+
+    def mutate(clusters: dict, projects: dict, pipeline: dict) -> None:
+        eu = json.loads(json.dumps(clusters["clusters"]["cloud-east"]))
+        eu.update(region="eu-west-1", jurisdiction="eu",
+                  cache={"conn_id": "hybridflow_cache_cloud_eu", "bucket": "hf-cache-cloud-eu"})
+        clusters["clusters"]["cloud-eu"] = eu
+
+    estate = custom_estate(tmp_path, mutate)
+    path = estate.config_dir / "datasets.yaml"
+    body = yaml.safe_load(path.read_text())
+    body["datasets"]["digits"]["regions"] = ["eu"]
+    path.write_text(yaml.safe_dump(body))
+    return load_estate(estate.config_dir, use_cache=False)
+
+
+def test_an_eu_only_dataset_is_placed_in_the_eu(tmp_path: Path, run_for) -> None:
+    est = _eu_estate(tmp_path)
+    run = run_for(est, cluster_preference="public", **SPOT)
+    assert run.regions == ["eu"]
+    d = choose_cluster(run, est, {})
+    assert d.cluster == "cloud-eu"
+    east = candidate(d, "cloud-east")
+    assert not east["eligible"]
+    assert east["rules"]["region"] == "dataset digits may only be processed in eu; the cluster is in us-east-1 / us"
+    assert any("stays in eu: cloud-eu is in eu-west-1 / eu" in r for r in d.reasons)
+    # Even when the EU cloud cannot take it, the US one is never the answer.
+    with pytest.raises(PlacementError, match="may only be processed in eu"):
+        choose_cluster(run, est, {}, exclude={"cloud-eu": "gang not admitted"})
