@@ -4,7 +4,7 @@ Runs ``hybridflow demo`` in a fresh home (its own object stores, endpoint port a
 metadata), then reads every task's start and end from Airflow's metadata and each step's own work
 time from the run record, and prints both with their ratio: the time Airflow adds around a step.
 
-    .venv/bin/python benchmarks/pipeline_walltime.py [--conf '{"cluster_preference": "public", "gpu_type": "H100-80GB"}']
+    .venv/bin/python benchmarks/pipeline_walltime.py [--conf '{"model": "breast-cancer"}']
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def main() -> int:
         )
         tasks = json.loads(states.stdout[states.stdout.index("[") :])
         print(f"hybrid_training on the embedded default, Params {args.conf}")
-        print(f"placement {record['cluster']}, {record['workers']} workers, accuracy {record['accuracy']:.4f}")
+        metric = record["metric"]
+        print(f"model {record['model']}, placement {record['cluster']}, {record['workers']} workers, "
+              f"held-out {metric['name']} {metric['value']:.4f}")
         print(f"{'task':<16}{'task wall s':>12}{'step work s':>13}{'wall/work':>11}")
         total_tasks = 0.0
         for ti in tasks:

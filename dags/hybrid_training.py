@@ -1,19 +1,23 @@
 """
 ### Hybrid training pipeline: one run, one model
 
-Takes a dataset from private storage to a served, compressed model:
+Takes a catalogued dataset (`config/datasets.yaml`) to a served, compressed model registered in
+`config/models.yaml` (the team's own training code):
 
 `admit` → `validate_data` → `choose_cluster` → `stage_data` → `train` → `evaluate` → `compress` → `deploy` → `record`
 
-* **admit** checks the trigger form against `config/` (project, quota, GPU type, sensitivity rules).
-* **validate_data** runs a Great Expectations suite where the data lives; a failure stops the run.
+* **admit** resolves the model and dataset, takes the data's classification from the catalogue, and checks
+  the trigger form, the training code, the suites and the data's header against `config/`.
+* **validate_data** runs the dataset's own Great Expectations suites where the data lives and pins the version
+  it checked; a failure stops the run.
 * **choose_cluster** places the run on one cluster of the estate and logs why every candidate won or lost.
 * **stage_data** copies the dataset to a public cluster's cloud cache (incremental, verified, manifest last).
-* **train** runs a gang of DDP workers (all or none; a gang not admitted in time fails over to the next
-  candidate cluster); retries resume from the newest committed checkpoint. A preempted
+* **train** runs a gang of workers calling the model's `train(ctx)` (all or none; a gang not admitted in time
+  fails over to the next candidate cluster); retries resume from the newest committed checkpoint. A preempted
   gang (spot reclaim) is relaunched by the task itself; application errors use the task's retries.
-* **evaluate** / **compress** measure accuracy, size and latency; a compressed model that loses too much is refused.
-* **deploy** rolls the model out blue/green behind a stable endpoint; the old version serves until the new one passes.
+* **evaluate** / **compress** measure the model's registered metric, size and latency; a compressed model that loses
+  more than the metric allows is refused.
+* **deploy** rolls the model out blue/green behind its endpoint; the old version serves until the new one passes.
 * **record** writes the run record that cost allocation reads.
 
 Every task is safe to clear and re-run from the UI.

@@ -108,7 +108,7 @@ def test_dockerfile_installs_the_pinned_requirements_and_the_package():
     assert "COPY requirements.txt requirements-torch.txt" in text
     assert "-r requirements-torch.txt" in text and "-r requirements.txt" in text
     assert re.search(r"pip install --no-deps \.", text)
-    for folder in ("dags", "plugins", "config", "include"):
+    for folder in ("dags", "plugins", "config", "include", "examples"):
         assert f"COPY {folder} " in text, folder
     pins = (REPO / "requirements.txt").read_text()
     # The executor the compose file uses must be installed by requirements.txt.

@@ -3,7 +3,8 @@
     hybridflow demo            set up and run the training pipeline end to end, print where things are
     hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
     hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
-    hybridflow seed            write the demo dataset into private storage (images, compose init)
+    hybridflow seed [DATASET...]
+                               write the example datasets (those with a seed function in datasets.yaml)
     hybridflow cache versions|prune --cluster C --dataset D
                                list a cloud cache's dataset versions, or prune the old ones
     hybridflow dcgm URL|FILE   scrape a dcgm-exporter (or read a saved page), print per-GPU samples as JSON
@@ -75,13 +76,19 @@ def cmd_demo(args) -> int:
     print(f"\n=== {DAG_ID} finished in {wall:.1f} s ===")
     print(f"run:               {record['run_id']} ({record['run_key']})")
     print(f"placement:         {record['cluster']} ({record['location']}, {record['pricing_class']})")
-    print(f"accuracy:          {record['accuracy']}")
-    print(f"model:             {record['artefacts']['model']}")
+    metric = record.get("metric") or {}
+    print(f"model:             {record['model']} on dataset {record['dataset']} ({record['classification']})")
+    print(f"held-out metric:   {metric.get('name')} {metric.get('value')} (gate {metric.get('gate')})")
+    print(f"model bundle:      {record['artefacts']['model']}")
     print(f"compressed model:  {record['artefacts']['compressed_model']}")
     print(f"validation report: {record['artefacts']['validation_report']}")
     print(f"evaluation report: {record['artefacts']['evaluation_report']}")
     print(f"run record:        {stack.settings.private_root / 'records' / record['project'] / (record['run_key'] + '.json')}")
-    print(f"endpoint:          {record['endpoint']}  (POST /predict {{\"instances\": [[64 pixels 0..16]]}})")
+    if record.get("endpoint"):
+        print(f"endpoint:          {record['endpoint']}:predict  (POST {{\"instances\": [[...], ...]}}; "
+              f"GET {record['endpoint']} lists the inputs)")
+    else:
+        print("endpoint:          not deployed (deploy=false)")
     print(f"Airflow env:       source {stack.env_file}   # then: airflow dags list-runs {DAG_ID}")
     return 0
 
@@ -109,11 +116,22 @@ def cmd_dev(args) -> int:
 
 
 def cmd_seed(args) -> int:
-    from hybridflow.datasets import seed_digits
+    from hybridflow.config import load_estate
+    from hybridflow.datasets import seed
     from hybridflow.settings import get_settings
 
-    dataset = seed_digits(get_settings().private_root)
-    print(f"dataset {dataset.uri} is in {dataset.path}")
+    settings = get_settings()
+    estate = load_estate(settings.config_dir)
+    seedable = sorted(n for n, e in estate.datasets.datasets.items() if e.seed)
+    names = args.datasets or seedable
+    unknown = [n for n in names if n not in seedable]
+    if unknown:
+        raise SystemExit(f"hybridflow seed: {', '.join(unknown)} cannot be seeded; datasets with a seed function: "
+                         f"{', '.join(seedable) or 'none'}")
+    for name in names:
+        entry = estate.datasets.get(name)
+        path = seed(entry, settings.private_root, estate.file_roots(settings.home))
+        print(f"dataset {name} ({entry.location}) is in {path}")
     return 0
 
 
@@ -314,12 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     dev = sub.add_parser("dev", help="start or stop the embedded object stores and endpoints")
     dev.add_argument("action", choices=["up", "down"])
     dev.set_defaults(func=cmd_dev)
-    seed = sub.add_parser("seed", help="write the demo dataset into private storage (idempotent)")
+    seed = sub.add_parser("seed", help="write the example datasets where the catalogue puts them (idempotent)")
+    seed.add_argument("datasets", nargs="*", help="catalogue names (default: every dataset with a seed function)")
     seed.set_defaults(func=cmd_seed)
     cache = sub.add_parser("cache", help="a cloud cache's dataset versions; pruning old ones")
     cache.add_argument("action", choices=["versions", "prune"])
     cache.add_argument("--cluster", required=True, help="a cluster with a cache in config/clusters.yaml")
-    cache.add_argument("--dataset", required=True, help="dataset name, e.g. digits")
+    cache.add_argument("--dataset", required=True, help="dataset name, as in datasets.yaml")
     cache.add_argument("--keep", type=int, help="versions to keep (at least 3; default staging.keep_versions)")
     cache.add_argument("--protect-hours", type=float, default=24.0,
                        help="never delete versions or blobs younger than this (default 24)")

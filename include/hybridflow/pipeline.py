@@ -38,27 +38,30 @@ def admit(params: Mapping[str, Any], identity: RunIdentity, settings: Settings |
 
     settings = settings or get_settings()
     estate = _estate(settings)
-    admitted = admit_request(params, estate, settings.private_root, team_usage=team_usage(estate, settings))
-    log.info("Admitted run %s for project %s: %s", identity.run_key, admitted.request.project, admitted.to_xcom())
+    admitted = admit_request(params, estate, settings.private_root, team_usage=team_usage(estate, settings),
+                             file_roots=estate.file_roots(settings.home))
+    log.info("Admitted run %s: model %s on dataset %s (%s%s) for project %s: %s", identity.run_key, admitted.model,
+             admitted.dataset, admitted.classification,
+             f", regions {', '.join(admitted.regions)}" if admitted.regions else "", admitted.project,
+             admitted.to_xcom())
     return {**admitted.to_xcom(), "run_key": identity.run_key}
 
 
+def _entries(run: Mapping[str, Any], estate):
+    """(admitted run, its dataset's catalogue entry, its model's registry entry)."""
+    admitted = _admitted(run)
+    return admitted, estate.datasets.get(admitted.dataset), estate.models.get(admitted.model)
+
+
 def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    from hybridflow.datasets import resolve_dataset
-    from hybridflow.validation import validate_dataset
+    """The dataset's schema and expectation suites where the data lives; pins the version checked."""
+    from hybridflow import rundata
 
     settings = settings or get_settings()
-    pipeline_cfg = _estate(settings).pipeline
-    admitted = _admitted(run)
-    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
-    started = time.monotonic()
-    summary = validate_dataset(
-        dataset,
-        min_rows=pipeline_cfg.data.min_rows,
-        max_rows=pipeline_cfg.data.max_rows,
-        report_dir=run_dir(settings.private_root, run["run_key"]) / "validation",
-    )
-    return {**summary.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
+    estate = _estate(settings)
+    admitted, entry, _ = _entries(run, estate)
+    return rundata.validate(entry, admitted.classification, run["run_key"], private_root=settings.private_root,
+                            file_roots=estate.file_roots(settings.home), log=log)
 
 
 def _local_pools(estate, settings: Settings):
@@ -155,35 +158,47 @@ def cache_store_spec(cluster, prefix: str = ""):
 
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
     """Private local cluster: train where the data lives. Public or Kubernetes cluster: copy it to the
-    cluster's cache (a private Kubernetes cluster's pods read its own on-prem bucket)."""
-    from hybridflow.datasets import resolve_dataset
-    from hybridflow.staging import StagingSettings, index_path_for, stage_dataset
+    cluster's cache (a private Kubernetes cluster's pods read its own on-prem bucket); the staging
+    guard re-reads the catalogue, and the staged copy must be the version validate_data checked."""
+    from hybridflow import rundata
+    from hybridflow.datasets import locate
+    from hybridflow.sovereignty import Destination
+    from hybridflow.staging import StagingSettings, index_path_for, read_manifest, stage_dataset
     from hybridflow.storage.objectstore import open_store
 
     settings = settings or get_settings()
     started = time.monotonic()
-    admitted = _admitted(run)
-    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     estate = _estate(settings)
+    admitted, entry, _ = _entries(run, estate)
+    roots = estate.file_roots(settings.home)
     cluster = estate.clusters[placement["cluster"]]
+    version = rundata.read_version(settings.private_root, run["run_key"])
     if cluster.location == "private" and cluster.backend == "local":
-        log.info("Cluster %s is private: the data is already there, nothing to stage.", placement["cluster"])
-        return {"source": {"kind": "local", "path": str(dataset.path)}, "staged": False, "seconds": 0.0}
+        log.info("Cluster %s is private: the data is read where it lives (%s), nothing to stage.",
+                 placement["cluster"], entry.location)
+        source, _ = rundata.source_where_it_lives(entry, settings.private_root, run["run_key"], roots)
+        return {"source": source, "staged": False, "version": version.version, "seconds": 0.0}
     spec = cache_store_spec(cluster)
+    target = open_store(spec)
+    location = locate(entry, settings.private_root, roots)
     result = stage_dataset(
-        dataset,
-        open_store(spec),
-        sensitivity=admitted.request.sensitivity,
-        target_location=cluster.location,
+        location.source(entry.name),
+        target,
+        destination=Destination(cluster.location, cluster.areas, cluster.name),
+        catalogue=settings.config_dir / "datasets.yaml",
+        dataset=entry.name,
+        raised=admitted.classification,
         run_key=run["run_key"],
         settings=StagingSettings.from_config(estate.pipeline.staging),
-        index_path=index_path_for(settings.state_dir, str(dataset.path.resolve())),
+        index_path=index_path_for(settings.state_dir, location.uri if location.path is None else str(location.path)),
         log=log,
     )
-    write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "staging.json", result.to_xcom())
+    rundata.check_staged(version, read_manifest(target, result.manifest_key), entry.name)
+    rundata.write_staging(settings.private_root, run["run_key"], result.to_xcom())
     return {
         "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
         "staged": True,
+        "version": version.version,
         "staging": result.to_xcom(),
         "seconds": round(time.monotonic() - started, 3),
     }
@@ -222,81 +237,91 @@ def scratch_root(cluster, settings: Settings) -> Path:
     return path if path.is_absolute() else settings.home / path
 
 
+def _holdout(run: Mapping[str, Any], estate, settings: Settings):
+    """The held-out split of the run's validated dataset, read verified where it lives."""
+    from hybridflow import rundata
+
+    admitted, entry, model = _entries(run, estate)
+    dataset = rundata.open_validated(entry, run["run_key"], admitted.classification, private_root=settings.private_root,
+                                     file_roots=estate.file_roots(settings.home))
+    return dataset.split(entry.holdout).frame(), entry, model
+
+
 def evaluate(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    from hybridflow.datasets import resolve_dataset
+    """The model's metric on the held-out split; on the wrong side of its gate the run stops."""
     from hybridflow.errors import HybridFlowError
-    from hybridflow.evaluation import evaluate_model
+    from hybridflow.evaluation import evaluate_bundle
 
     settings = settings or get_settings()
-    min_accuracy = _estate(settings).pipeline.evaluation.min_accuracy
-    dataset = resolve_dataset(_admitted(run).request.dataset_uri, settings.private_root)
+    estate = _estate(settings)
     started = time.monotonic()
-    report = evaluate_model(Path(trained["model_path"]), dataset.split_path("test"))
+    frame, entry, model = _holdout(run, estate, settings)
+    report = evaluate_bundle(Path(trained["bundle"]), frame)
+    metric = report["metric"]
     out = run_dir(settings.private_root, run["run_key"]) / "evaluation.json"
-    out.write_text(json.dumps(report, indent=2))
-    log.info("Held-out accuracy %.4f on %d samples (bar %.2f)", report["accuracy"], report["n"], min_accuracy)
-    if report["accuracy"] < min_accuracy:
+    write_json_atomic(out, report)
+    log.info("Held-out %s of %s: %.4f on %d rows of %s/%s (gate %s %g)", metric["name"], model.name, metric["value"],
+             report["n"], entry.name, entry.holdout, "at least" if metric["direction"] == "higher" else "at most",
+             metric["gate"])
+    if not metric["passed"]:
         raise HybridFlowError(
-            f"model accuracy {report['accuracy']:.4f} is below evaluation.min_accuracy {min_accuracy}; "
-            "train longer (train_steps) or check the data, then clear the train task"
+            f"model {model.name}: {metric['name']} {metric['value']:.4f} on the held-out split is "
+            f"{'below' if metric['direction'] == 'higher' else 'above'} its gate {metric['gate']} (models.yaml "
+            f"models.{model.name}.metric.gate); train longer or tune its hyperparameters, or check the data, then "
+            "clear the train task"
         )
-    return {
-        "accuracy": report["accuracy"],
-        "n": report["n"],
-        "report_path": str(out),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+    return {"metric": metric, "n": report["n"], "report_path": str(out),
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 def compress(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    from hybridflow.compression import compress_model
-    from hybridflow.datasets import resolve_dataset
+    """int8 and fp16 variants, each kept only if the model's metric drops at most its max_drop."""
+    from hybridflow.compression import compress_bundle
 
     settings = settings or get_settings()
+    estate = _estate(settings)
     admitted = _admitted(run)
-    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
     started = time.monotonic()
-    report = compress_model(
-        Path(trained["model_path"]),
-        dataset.split_path("test"),
-        run_dir(settings.private_root, run["run_key"]) / "compressed",
-        mode=admitted.request.compression,
-        max_accuracy_drop=_estate(settings).pipeline.compression.max_accuracy_drop,
-    )
+    frame, _, _ = _holdout(run, estate, settings)
+    report = compress_bundle(Path(trained["bundle"]), frame, run_dir(settings.private_root, run["run_key"]) / "compressed",
+                             mode=admitted.compression)
     return {**report, "seconds": round(time.monotonic() - started, 3)}
 
 
 def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    from hybridflow.datasets import parse_split, resolve_dataset
+    """Blue/green behind the model's endpoint; the smoke test scores the held-out split through the
+    new version's server against the model's gate before any traffic moves."""
+    from hybridflow.bundle import read_card
     from hybridflow.serving.deploy import deploy as deploy_model
 
     settings = settings or get_settings()
     admitted = _admitted(run)
-    if not admitted.request.deploy:
-        log.info("deploy=false: the compressed model is kept in %s, not served", compressed["artifact"])
+    if not admitted.deploy:
+        log.info("deploy=false: the compressed model is kept in %s, not served", compressed["bundle"])
         return {"deployed": False}
     estate = _estate(settings)
     serving = estate.pipeline.serving
+    model = estate.models.get(admitted.model)
     if serving.kubernetes is not None:
-        return _deploy_on_kubernetes(run, compressed, estate, serving)
-    dataset = resolve_dataset(admitted.request.dataset_uri, settings.private_root)
-    x, y = parse_split(dataset.split_path("test").read_bytes())
+        return _deploy_on_kubernetes(run, compressed, estate, serving, model.endpoint)
+    frame, _, _ = _holdout(run, estate, settings)
+    card = read_card(Path(compressed["bundle"]))
     started = time.monotonic()
     result = deploy_model(
-        Path(compressed["artifact"]),
-        compressed["selected"],
+        Path(compressed["bundle"]),
         run["run_key"],
         state_root=settings.state_dir / "serving",
-        endpoint=serving.endpoint,
+        endpoint=model.endpoint,
         port=serving.port,
-        smoke=(x[:200] * 16.0, y[:200]),
-        min_smoke_accuracy=serving.smoke_min_accuracy,
+        smoke=(frame[card.input_names].to_numpy(dtype="float32"), frame[card.target].to_numpy()),
+        metric=card.metric,
         log=log,
     )
     return {**result, "deployed": True, "seconds": round(time.monotonic() - started, 3)}
 
 
-def _deploy_on_kubernetes(run: Mapping[str, Any], compressed: Mapping[str, Any], estate, serving) -> dict:
+def _deploy_on_kubernetes(run: Mapping[str, Any], compressed: Mapping[str, Any], estate, serving,
+                          endpoint: str) -> dict:
     """Publish the compressed model on the inference pool's models volume and roll it out there as a
     canary (the first version straight to stable); the pods' readiness probe is the smoke gate."""
     from hybridflow.backends.k8s.backend import make_hook
@@ -304,18 +329,18 @@ def _deploy_on_kubernetes(run: Mapping[str, Any], compressed: Mapping[str, Any],
 
     k8s = serving.kubernetes
     cluster = estate.clusters[k8s.cluster]
-    pool = InferencePool(endpoint=serving.endpoint, namespace=k8s.namespace, pool=cluster.pool(k8s.node_pool),
+    pool = InferencePool(endpoint=endpoint, namespace=k8s.namespace, pool=cluster.pool(k8s.node_pool),
                          models_claim=k8s.models_claim, replicas=k8s.replicas, port=k8s.port,
                          gpus_per_replica=k8s.gpus_per_replica)
     release = Release(version=run["run_key"], variant=compressed["selected"], image=k8s.image)
     started = time.monotonic()
-    published = publish_model(Path(compressed["artifact"]), Path(k8s.models_dir), release)
+    published = publish_model(Path(compressed["bundle"]), Path(k8s.models_dir), endpoint, release)
     log.info("Model %s (%s) published to %s", release.version, release.variant, published)
     result = roll_out(InferenceRollout(make_hook(cluster.conn_id), pool), release,
                       canary_percent=k8s.canary_percent, timeout_s=k8s.ready_timeout_s, log=log)
-    log.info("Endpoint %s on %s/%s: %s", serving.endpoint, k8s.cluster, k8s.namespace, result)
+    log.info("Endpoint %s on %s/%s: %s", endpoint, k8s.cluster, k8s.namespace, result)
     return {**result, "deployed": True, "cluster": k8s.cluster, "namespace": k8s.namespace,
-            "endpoint_url": f"http://{serving.endpoint}.{k8s.namespace}.svc:{k8s.port}",
+            "endpoint_url": f"http://{endpoint}.{k8s.namespace}.svc:{k8s.port}/v1/models/{endpoint}",
             "seconds": round(time.monotonic() - started, 3)}
 
 

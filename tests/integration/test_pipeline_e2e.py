@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -63,9 +64,10 @@ def _demo(estate, conf: dict) -> tuple[subprocess.CompletedProcess, dict | None]
     return proc, record
 
 
-def _predict(port: int, rows: list[list[float]]) -> dict:
+def _predict(port: int, rows: list, endpoint: str = "digits") -> dict:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/predict", data=json.dumps({"instances": rows}).encode(), method="POST"
+        f"http://127.0.0.1:{port}/v1/models/{endpoint}:predict", data=json.dumps({"instances": rows}).encode(),
+        method="POST",
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
@@ -78,14 +80,26 @@ def _known_inputs(home: Path, n: int = 100):
     return test.drop(columns=["label"]).values.tolist(), test["label"].tolist()
 
 
+def _breast_cancer_inputs(home: Path):
+    """Held-out rows as objects {column: value}, the way a client names the signature's inputs."""
+    import pandas as pd
+
+    test = pd.read_parquet(home / "private" / "datasets" / "breast-cancer" / "test.parquet")
+    return test.drop(columns=["malignant"]).to_dict(orient="records"), test["malignant"].tolist()
+
+
 def test_private_run_end_to_end(estate):
     proc, record = _demo(estate, {})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert record is not None
     assert record["cluster"] == "onprem-a" and record["location"] == "private"
-    assert record["accuracy"] >= 0.85
-    for key in ("model", "compressed_model", "validation_report", "evaluation_report"):
+    assert (record["model"], record["dataset"], record["classification"]) == ("digits-mlp", "digits", "internal")
+    assert record["metric"]["name"] == "accuracy" and record["metric"]["value"] >= 0.85 and record["metric"]["passed"]
+    assert record["dataset_version"] and record["training_metrics"]["loss"] < 0.5
+    for key in ("validation_report", "evaluation_report"):
         assert Path(record["artefacts"][key]).is_file(), key
+    for key in ("model", "compressed_model"):  # model bundles: weights and the card that loads them
+        assert (Path(record["artefacts"][key]) / "model.json").is_file(), key
     assert record["checkpoints"]["count"] >= 1 and record["checkpoints"]["final_step"] == 300
     scratch = estate["home"] / "scratch" / "onprem-a" / "checkpoints" / record["run_key"]
     assert list(scratch.glob("step-000000300/MANIFEST.json")), "the final checkpoint is not on cluster scratch"
@@ -102,12 +116,12 @@ def test_private_run_end_to_end(estate):
 
 def test_public_run_stages_data_and_replaces_the_served_version(estate):
     before = _predict(estate["port"], _known_inputs(estate["home"], 1)[0])["version"]
-    proc, record = _demo(estate, {"cluster_preference": "public", "gpu_type": "H100-80GB", "train_steps": 200})
+    proc, record = _demo(estate, {"cluster_preference": "public", "gpu_type": "H100-80GB", "hyperparameters": {"steps": 200}})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert record["cluster"] == "cloud-east" and record["location"] == "public"
     assert record["pricing_class"] == "on_demand"
     staged = record["staging"]
-    assert staged["objects_total"] == 2
+    assert staged["objects_total"] == 4  # train.csv, test.csv and the two suites kept with them
     bucket = estate["home"] / "clouds" / "cloud-east" / "hf-cache-cloud-east"
     assert list(bucket.glob("datasets/digits/versions/*.json")), "no dataset manifest in the cloud cache"
     assert list(bucket.glob(f"checkpoints/{record['run_key']}/step-*/MANIFEST.json")), "no checkpoints in the cache"
@@ -149,11 +163,13 @@ def _worker_pids(spec_marker: str) -> list[int]:
     return pids
 
 
-def test_gang_killed_mid_run_is_retried_by_airflow_and_resumes(estate):
-    """SIGKILL one training worker mid-run: the train task fails, Airflow retries it in the same
-    DAG run, and the retry resumes from the newest committed checkpoint instead of step 0."""
+def test_breast_cancer_run_survives_a_killed_worker_and_serves(estate):
+    """The second example, a different shape (Parquet, 30 float columns, ROC AUC, sharded checkpoints,
+    restricted data), with default Params: SIGKILL one of its training workers mid-run; the train task
+    fails, Airflow retries it in the same DAG run, the retry resumes from the newest committed
+    checkpoint, and the model is evaluated, compressed, deployed and answers on its own endpoint."""
     started = time.time()
-    conf = {"train_steps": 3000, "checkpoint_every_steps": 100, "deploy": False}
+    conf = {"model": "breast-cancer", "hyperparameters": {"steps": 3000}, "checkpoint_every_steps": 100}
     cmd = [BIN / "airflow", "dags", "test", "hybrid_training", "-c", json.dumps(conf)]
     ckpt_root = estate["home"] / "private" / "checkpoints"
     log_path = estate["home"] / "gang-kill.log"
@@ -179,11 +195,32 @@ def test_gang_killed_mid_run_is_retried_by_airflow_and_resumes(estate):
     output = log_path.read_text(errors="replace")
     assert run.returncode == 0, output[-4000:]
     record = json.loads(next((estate["home"] / "private" / "records").glob(f"*/{run_key}.json")).read_text())
+    # The data's classification came from the catalogue: restricted, so private, and never staged.
+    assert (record["model"], record["classification"], record["location"]) == ("breast-cancer", "restricted", "private")
+    assert record["staging"] is None
+    assert not list((estate["home"] / "clouds").rglob("datasets/breast-cancer/*"))
     assert record["checkpoints"]["resumed_from_step"] > 0
     assert record["checkpoints"]["final_step"] == 3000
-    assert record["accuracy"] >= 0.85
     assert [a["outcome"] for a in record["train_attempts"]] == ["failed", "succeeded"]
-    assert "resuming from checkpoint step" in output.lower()
+    assert "resuming from checkpoint step" in output.lower() and "sharded" in output
+    metric = record["metric"]
+    assert metric["name"] == "roc_auc" and metric["value"] >= metric["gate"] == 0.95
+    # Served on its own endpoint, with requests checked against its signature.
+    rows, labels = _breast_cancer_inputs(estate["home"])
+    answer = _predict(estate["port"], rows, endpoint="breast-cancer")
+    assert answer["version"] == record["model_version"]
+    from sklearn.metrics import roc_auc_score
+
+    assert roc_auc_score(labels, answer["predictions"]) >= 0.95
+    bad = urllib.request.Request(
+        f"http://127.0.0.1:{estate['port']}/v1/models/breast-cancer:predict",
+        data=json.dumps({"instances": [{"mean_radius": "big"}]}).encode(), method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=10)
+    assert refused.value.code == 400
+    # The digits endpoint still serves its own model next to it.
+    assert _predict(estate["port"], _known_inputs(estate["home"], 1)[0])["model"] == "digits"
 
 
 TRAIN_ONCE = r"""
@@ -195,7 +232,8 @@ from hybridflow.runs import RunIdentity
 
 try_number = int(sys.argv[1])
 identity = RunIdentity("hybrid_training", "manual__operator-kill-test", try_number)
-run = pipeline.admit({"train_steps": 3000, "checkpoint_every_steps": 100, "deploy": False}, identity)
+run = pipeline.admit({"hyperparameters": {"steps": 3000}, "checkpoint_every_steps": 100, "deploy": False}, identity)
+pipeline.validate_data(run)
 placement = pipeline.choose_cluster(run)
 staged = pipeline.stage_data(run, placement)
 op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
@@ -240,7 +278,9 @@ def test_killed_train_task_cleared_resumes_from_its_newest_checkpoint(estate):
     result = json.loads(second.stdout.split("RESULT ", 1)[1])
     assert result["start_step"] > 0 and result["final_step"] == 3000
     assert [a["outcome"] for a in result["attempts"]] == ["interrupted", "succeeded"]
-    from hybridflow.evaluation import evaluate_model
+    import pandas as pd
 
-    test_csv = estate["home"] / "private" / "datasets" / "digits" / "test.csv"
-    assert evaluate_model(Path(result["model_path"]), test_csv)["accuracy"] >= 0.85
+    from hybridflow.evaluation import evaluate_bundle
+
+    held_out = pd.read_csv(estate["home"] / "private" / "datasets" / "digits" / "test.csv")
+    assert evaluate_bundle(Path(result["bundle"]), held_out)["metric"]["value"] >= 0.85

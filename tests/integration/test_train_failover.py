@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.unit.train_task import train_task
+from tests.unit.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import LocalSlotPool
-from hybridflow.datasets import seed_digits
 from hybridflow.settings import REPO_ROOT
 
 
@@ -32,7 +31,7 @@ def two_private(tmp_path, monkeypatch):
     (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
-    seed_digits(home / "private")
+    seed_examples(home)
     return home
 
 
@@ -43,7 +42,7 @@ def _train_task(name: str, params: dict):
 
 def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -> None:
     home = two_private
-    run, placement, op, context = _train_task("failover", {"train_steps": 40, "checkpoint_every_steps": 20})
+    run, placement, op, context = _train_task("failover", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
     assert placement["cluster"] == "onprem-b"  # the cheaper twin wins the first placement
     blocker = LocalSlotPool(home / "state", "onprem-b", 4)
     assert blocker.try_acquire("someone-else", 4)
@@ -72,7 +71,7 @@ def test_no_other_candidate_fails_the_try_with_every_reason(two_private: Path) -
     from hybridflow.errors import GangError
 
     home = two_private
-    run, placement, op, context = _train_task("nowhere", {"train_steps": 40, "checkpoint_every_steps": 20})
+    run, placement, op, context = _train_task("nowhere", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
     pools = [LocalSlotPool(home / "state", name, 4) for name in ("onprem-a", "onprem-b")]
     for pool in pools:
         assert pool.try_acquire("someone-else", 4)

@@ -17,9 +17,8 @@ import yaml
 from tests.unit.k8s_config import as_kubernetes
 from tests.unit.k8s_kubelet import Kubelet
 from tests.unit.k8s_sim import SimCluster, install
-from tests.unit.train_task import train_task
+from tests.unit.train_task import seed_examples, train_task
 
-from hybridflow.datasets import seed_digits
 from hybridflow.devenv.rclone import airflow_conn_uri
 from hybridflow.settings import REPO_ROOT
 from hybridflow.storage.s3 import S3ObjectStore
@@ -53,7 +52,7 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
     monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2_STORE", airflow_conn_uri(access, secret, endpoint))
     monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2", "kubernetes://")
-    seed_digits(home / "private")
+    seed_examples(home)
     sim = SimCluster({f"gpu-{i}": {"gpus": 2, "labels": {"hybridflow.io/pool": "a100"}} for i in (1, 2)})
     install(monkeypatch, sim)
     kubelet = Kubelet(sim, tmp_path)
@@ -69,7 +68,7 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
 
 
 def _train_task(name: str, try_number: int = 1, **params):
-    return train_task(name, {"cluster_preference": "private", "workers": 2, "train_steps": 40,
+    return train_task(name, {"cluster_preference": "private", "workers": 2, "hyperparameters": {"steps": 40},
                              "checkpoint_every_steps": 20, **params}, try_number)
 
 
@@ -160,7 +159,7 @@ def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(es
     from hybridflow.storage.objectstore import open_store
     from hybridflow.training.checkpoint import CheckpointStore
 
-    run, placement, _, op, context = _train_task("k8s-evict", train_steps=400, checkpoint_every_steps=20)
+    run, placement, _, op, context = _train_task("k8s-evict", hyperparameters={"steps": 400}, checkpoint_every_steps=20)
 
     ckpt = CheckpointStore(open_store(pipeline.checkpoint_store_spec(
         run["run_key"], pipeline._estate(get_settings()).clusters[CLUSTER], get_settings())))

@@ -19,7 +19,7 @@ def test_pipeline_runs_on_celery_workers(tmp_path) -> None:
         print(f"\nservice logs: {stack.logs}")
         stack.wait_for_dag(DAG)
         stack.unpause(DAG)
-        run_id = stack.trigger(DAG, {"train_steps": 80, "checkpoint_every_steps": 40})
+        run_id = stack.trigger(DAG, {"hyperparameters": {"steps": 80}, "checkpoint_every_steps": 40})
         assert stack.wait_for_run(DAG, run_id) == "success", stack.task_states(DAG, run_id)
         states = stack.task_states(DAG, run_id)
         assert set(states.values()) <= {"success", "skipped"} and states["train"] == "success"

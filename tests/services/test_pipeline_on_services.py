@@ -36,8 +36,8 @@ def _records(stack, run_key: str) -> list[Path]:
 
 
 def _predict(port: int, rows: list[list[float]]) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=json.dumps({"instances": rows}).encode(),
-                                 method="POST")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models/digits:predict",
+                                 data=json.dumps({"instances": rows}).encode(), method="POST")
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -49,7 +49,7 @@ def _run_key(stack, run_id: str) -> str:
 
 
 def test_triggered_run_trains_places_records_and_serves(stack) -> None:
-    run_id = stack.trigger(DAG, {"train_steps": 120, "checkpoint_every_steps": 40})
+    run_id = stack.trigger(DAG, {"hyperparameters": {"steps": 120}, "checkpoint_every_steps": 40})
     assert stack.wait_for_run(DAG, run_id) == "success", stack.task_states(DAG, run_id)
     run_key = _run_key(stack, run_id)
     [record_path] = _records(stack, run_key)
@@ -68,18 +68,24 @@ def test_failed_validation_fixed_and_cleared_completes_without_duplicates(stack)
     digits = stack.home / "private" / "datasets" / "digits"
     broken = stack.home / "private" / "datasets" / "digits-broken"
     shutil.copytree(digits, broken)
+    # Its owner describes the copy in the catalogue, as any new dataset is.
+    catalogue = yaml.safe_load((stack.config_dir / "datasets.yaml").read_text())
+    entry = dict(catalogue["datasets"]["digits"], location="private://datasets/digits-broken")
+    entry.pop("seed")
+    catalogue["datasets"]["digits-broken"] = entry
+    (stack.config_dir / "datasets.yaml").write_text(yaml.safe_dump(catalogue, sort_keys=False))
     good_train = (broken / "train.csv").read_text()
     lines = good_train.splitlines()
     lines[5] = ",".join(["99"] * (len(lines[5].split(",")) - 1) + ["3"])  # pixels must lie in 0..16
     (broken / "train.csv").write_text("\n".join(lines) + "\n")
 
-    run_id = stack.trigger(DAG, {"dataset_uri": "private://datasets/digits-broken", "train_steps": 80,
+    run_id = stack.trigger(DAG, {"dataset": "digits-broken", "hyperparameters": {"steps": 80},
                                  "checkpoint_every_steps": 40, "deploy": False})
     assert stack.wait_for_run(DAG, run_id) == "failed"
     states = stack.task_states(DAG, run_id)
     assert states["admit"] == "success" and states["validate_data"] == "failed", states
     log = stack.task_log(DAG, run_id, "validate_data", _last_try(stack, run_id))
-    assert "pixel_0: expect_column_values_to_be_between" in log and "(CSV line 6)" in log, log[-3000:]
+    assert "pixel_0: expect_column_values_to_be_between" in log and "CSV line 6)" in log, log[-3000:]
     run_key = _run_key(stack, run_id)
     assert not _records(stack, run_key)
 

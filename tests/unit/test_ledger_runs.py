@@ -72,7 +72,9 @@ def test_a_bad_attempt_names_the_field_and_writes_nothing(ledger_engine):  # noq
         assert conn.execute(text("SELECT COUNT(*) FROM run")).scalar_one() == 0
 
 
-def test_the_pipelines_record_step_ingests_the_run(tmp_path, monkeypatch):
+def test_the_pipelines_record_step_ingests_the_run(tmp_path, monkeypatch, seeded_private):
+    from tests.conftest import copy_seeded
+
     from hybridflow import pipeline
     from hybridflow.runs import RunIdentity
     from hybridflow.settings import Settings, get_settings
@@ -80,10 +82,7 @@ def test_the_pipelines_record_step_ingests_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
     settings = Settings(home=tmp_path / "home", config_dir=get_settings().config_dir)
-    digits = settings.private_root / "datasets" / "digits"
-    digits.mkdir(parents=True)
-    for split in ("train", "test"):
-        (digits / f"{split}.csv").write_text("x\n")  # admission checks the files are there, not their content
+    copy_seeded(seeded_private, settings.private_root)  # admission reads the dataset's header and suites
     identity = RunIdentity(dag_id="hybrid_training", run_id="manual__ledger")
     run = pipeline.admit({"project": "digits-ocr", "workers": 2}, identity, settings)
     steps = {"choose_cluster": {"cluster": "onprem-a", "pricing_class": "onprem", "price_per_gpu_hour": 1.2},

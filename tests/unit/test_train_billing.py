@@ -19,7 +19,7 @@ PLACEMENT = {"cluster": "cloud-east", "pricing_class": "spot", "price_per_gpu_ho
 
 def _admitted() -> AdmittedRun:
     req = RunRequest(project="digits-ocr", workers=2)
-    return AdmittedRun(**req.model_dump(), team="perception", dataset_path="/data/digits")
+    return AdmittedRun(**req.model_dump(), team="perception", dataset_location="file:///data/digits")
 
 
 def _attempts(*outcomes: str) -> list[dict]:

@@ -18,11 +18,10 @@ RUN_ID = "manual__2026-12-03T10:00:00+00:00"
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    folder = tmp_path / "private" / "datasets" / "digits"
-    folder.mkdir(parents=True)
-    (folder / "train.csv").write_text("pixel_0,label\n0,1\n")
-    (folder / "test.csv").write_text("pixel_0,label\n0,1\n")
+def settings(tmp_path: Path, seeded_private: Path) -> Settings:
+    from tests.conftest import copy_seeded
+
+    copy_seeded(seeded_private, tmp_path / "private")
     return Settings(home=tmp_path, config_dir=REPO_ROOT / "config")
 
 
@@ -74,16 +73,21 @@ def test_run_page_after_the_record_shows_attempts_and_artefacts(settings, client
         {
             "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
             "team": "perception", "workers": 2, "gpu_type": "A100-80GB", "gpu_hours": 0.00702,
-            "checkpoints": {"count": 6, "resumed_from_step": 100, "final_step": 300}, "accuracy": 0.9611,
-            "artefacts": {"model": "/p/model.pt"}, "recorded_at": "2026-12-03T10:05:00+00:00",
+            "checkpoints": {"count": 6, "resumed_from_step": 100, "final_step": 300},
+            "model": "breast-cancer", "dataset": "breast-cancer", "classification": "restricted", "regions": ["eu"],
+            "dataset_version": "0123abcd",
+            "metric": {"name": "roc_auc", "value": 0.9611, "direction": "higher", "gate": 0.95, "passed": True},
+            "artefacts": {"model": "/p/model"}, "recorded_at": "2026-12-03T10:05:00+00:00",
         },
     )
     html = client.get(f"/runs/hybrid_training/{RUN_ID}").text
     assert "<td>failed</td>" in html and "<td>succeeded</td>" in html
     assert "6 written, resumed from step 100, final step 300" in html
-    assert "/p/model.pt" in html and "0.9611" in html
+    assert "/p/model" in html and "roc_auc 0.9611 (gate 0.95)" in html
+    assert "breast-cancer (restricted, regions eu), version 0123abcd" in html
     listing = client.get("/runs").text
     assert f"href='runs/hybrid_training/{RUN_ID}'" in listing and "digits-ocr" in listing
+    assert "roc_auc 0.9611" in listing and "breast-cancer" in listing
     body = client.get(f"/api/runs/hybrid_training/{RUN_ID}").json()
     assert body["placement"]["cluster"] == "onprem-a" and body["record"]["gpu_hours"] == 0.00702
 

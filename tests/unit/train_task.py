@@ -1,5 +1,5 @@
-"""A train task as the pipeline builds it (admit, choose_cluster, stage_data), with the slice of an
-Airflow task context the operator reads, for tests that execute it directly."""
+"""A train task as the pipeline builds it (admit, validate_data, choose_cluster, stage_data), with the
+slice of an Airflow task context the operator reads, for tests that execute it directly."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def train_task(name: str, params: dict, try_number: int = 1):
 
     identity = RunIdentity("hybrid_training", f"manual__{name}", try_number)
     run = pipeline.admit(params, identity)
+    pipeline.validate_data(run)  # pins the dataset version training reads
     placement = pipeline.choose_cluster(run)
     staged = pipeline.stage_data(run, placement)
     op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
@@ -24,3 +25,13 @@ def train_task(name: str, params: dict, try_number: int = 1):
         "dag_run": SimpleNamespace(triggering_user_name="test"),
     }
     return run, placement, staged, op, context
+
+
+def seed_examples(home) -> None:
+    """The catalogue's example datasets in ``home``'s private storage, as ``hybridflow seed`` writes them."""
+    from hybridflow.config import load_estate
+    from hybridflow.datasets import seed
+    from hybridflow.settings import get_settings
+
+    for entry in load_estate(get_settings().config_dir).datasets.datasets.values():
+        seed(entry, home / "private")

@@ -1,6 +1,6 @@
 """The embedded default: everything the pipeline needs on one machine, no cloud, no Kubernetes.
 
-- private storage: a folder (``$HYBRIDFLOW_HOME/private``), seeded with the digits dataset;
+- private storage: a folder (``$HYBRIDFLOW_HOME/private``), seeded with the catalogue's example datasets;
 - each public cluster's cloud cache: ``rclone serve s3`` on 127.0.0.1 over a folder;
 - Airflow: SQLite metadata in ``$HYBRIDFLOW_HOME/airflow``; connections as ``AIRFLOW_CONN_*``.
 
@@ -63,11 +63,13 @@ class DevStack:
 
     def up(self) -> dict[str, str]:
         from hybridflow.config import load_estate
-        from hybridflow.datasets import seed_digits
+        from hybridflow.datasets import seed
         from hybridflow.devenv.rclone import RcloneS3Server, airflow_conn_uri
 
         estate = load_estate(self.settings.config_dir)
-        seed_digits(self.settings.private_root)
+        for entry in estate.datasets.datasets.values():
+            if entry.seed and not entry.location.startswith("s3://"):
+                seed(entry, self.settings.private_root, estate.file_roots(self.settings.home))
         services = self._load(self._services_path())
         env = self.base_env()
         for name, cluster in estate.clusters.items():
@@ -112,13 +114,11 @@ class DevStack:
 
     def down(self) -> list[str]:
         """Stop what ``up()`` and deployments started here (by recorded pid, ours only)."""
-        from hybridflow.config import load_estate
-        from hybridflow.serving.deploy import stop_endpoint
+        from hybridflow.serving.deploy import stop_gateway
 
         stopped = []
-        serving = load_estate(self.settings.config_dir).pipeline.serving
-        stop_endpoint(self.settings.state_dir / "serving", serving.endpoint)
-        stopped.append(f"endpoint {serving.endpoint}")
+        gone = stop_gateway(self.settings.state_dir / "serving")
+        stopped.append(f"model gateway and endpoints {', '.join(gone.get('endpoints', [])) or '(none)'}")
         services = self._load(self._services_path())
         for name, svc in services.items():
             if _is_our_rclone(svc["pid"]):

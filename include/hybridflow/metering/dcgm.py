@@ -152,7 +152,7 @@ def _label(labels: Mapping[str, str], names: Iterable[str]) -> str | None:
 
 def _index(labels: Mapping[str, str]) -> int | None:
     raw = labels.get("gpu", "")
-    return int(raw) if raw.isdigit() else None
+    return int(raw) if raw.isdecimal() else None
 
 
 def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text>",

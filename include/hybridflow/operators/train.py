@@ -110,6 +110,7 @@ class GangTrainOperator(BaseOperator):
 
     def _job(self, context, settings, estate, placement: dict, staged: dict) -> _TrainJob:
         """What every gang of this run on ``placement``'s cluster is given, whatever its backend."""
+        from hybridflow import rundata
         from hybridflow.admission import AdmittedRun
         from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
 
@@ -117,29 +118,39 @@ class GangTrainOperator(BaseOperator):
         req = admitted.request
         cluster = estate.clusters[placement["cluster"]]
         run_key = self.run["run_key"]
+        entry, model = estate.datasets.get(admitted.dataset), estate.models.get(admitted.model)
+        version = rundata.read_version(settings.private_root, run_key)
         ckpt_spec = checkpoint_store_spec(run_key, cluster, settings)
         replica_spec = checkpoint_replica_spec(run_key, cluster, settings)
         training_cfg = estate.pipeline.training
         timer_s = training_cfg.interruptible_checkpoint_every_s if req.interruptible else None
         spec = {
             "run_key": run_key,
+            "model": {"name": model.name, "entrypoint": model.entrypoint, "hyperparameters": admitted.hyperparameters},
+            "dataset": rundata.dataset_info(entry, version, admitted.classification),
             "source": staged["source"],
             "checkpoint_store": ckpt_spec.to_dict(),
             "checkpoint_replica": replica_spec.to_dict(),
-            "train_steps": req.train_steps,
             "checkpoint_every_steps": req.checkpoint_every_steps,
             # Interruptible runs may be reclaimed at any time: also checkpoint on a timer.
             "checkpoint_every_seconds": timer_s,
             "preemption_grace_s": training_cfg.preemption_grace_s,
-            "batch_size": training_cfg.batch_size,
-            "learning_rate": training_cfg.learning_rate,
             "keep": training_cfg.checkpoint_keep,
         }
+        # Staged data and cache checkpoints share the cluster's cache connection; data read in place
+        # from a private bucket needs that bucket's.
+        env = cache_store_spec(cluster).credential_env() if cluster.cache else {}
+        if staged["source"].get("kind") == "store":
+            _, data_env = rundata.source_where_it_lives(entry, settings.private_root, run_key,
+                                                        estate.file_roots(settings.home))
+            if env and data_env and env != data_env:
+                raise ValueError(f"cluster {cluster.name} reads its cache and dataset {entry.name}'s private bucket "
+                                 "with different credentials; stage the data into the cache instead")
+            env = {**env, **data_env}
         return _TrainJob(
             identity=RunIdentity.from_context(context), admitted=admitted, placement=placement, cluster=cluster,
-            run_key=run_key, ckpt_spec=ckpt_spec, replica_spec=replica_spec, spec=spec,
-            # Staged data and cache checkpoints share the cluster's cache connection.
-            env=cache_store_spec(cluster).credential_env() if cluster.cache else {},
+            run_key=run_key, ckpt_spec=ckpt_spec, replica_spec=replica_spec, spec=spec, model=model,
+            env=env,
             attempts_path=run_dir(settings.private_root, run_key) / "train-attempts.json",
             labels={"project": req.project, "team": admitted.team, "priority": req.priority,
                     "interruptible": str(req.interruptible).lower()},
@@ -331,14 +342,18 @@ class GangTrainOperator(BaseOperator):
         return attempts
 
     def _bring_home(self, job: _TrainJob, attempts: list[dict], preemptions: int, started: float) -> dict:
-        """The finished gang's model into the run's folder, and the task's summary for XCom."""
+        """The finished gang's model into the run's folder as a bundle, and the task's summary for XCom."""
+        from hybridflow.bundle import WEIGHTS_FILE, ModelCard, write_bundle
         from hybridflow.storage.objectstore import open_store
+        from hybridflow.training.context import FINAL_MODEL_KEY, RESULT_KEY
 
         store = open_store(job.ckpt_spec)
-        summary = json.loads(store.get_bytes("result.json"))
-        model_path = job.attempts_path.parent / "model" / "model.pt"  # the run's folder in private storage
-        model_path.parent.mkdir(parents=True, exist_ok=True)
-        store.get_file("model/final.pt", model_path)
+        summary = json.loads(store.get_bytes(RESULT_KEY))
+        bundle = job.attempts_path.parent / "model"  # the run's folder in private storage
+        card = ModelCard(**job.model.card(), hyperparameters=dict(job.admitted.hyperparameters), variant="fp32",
+                         version=job.run_key)
+        write_bundle(bundle, store.get_bytes(FINAL_MODEL_KEY), card)
+        model_path = bundle / WEIGHTS_FILE
         gpu_seconds = sum(a["seconds"] * a["workers"] for a in attempts if a.get("seconds") is not None)
         self.log.info(
             "Gang %s finished: steps %s..%s, %s checkpoints, %d preemptions in this try, model at %s",
@@ -353,6 +368,7 @@ class GangTrainOperator(BaseOperator):
             "job_name": self._job_name,
             "cluster": job.cluster.name,
             "model_path": str(model_path),
+            "bundle": str(bundle),
             "checkpoint_store": job.ckpt_spec.uri,
             "checkpoint_replica": job.replica_spec.uri,
             "checkpoints_written": summary["checkpoints_written"],
@@ -360,6 +376,8 @@ class GangTrainOperator(BaseOperator):
             "start_step": summary["start_step"],
             "final_step": summary["final_step"],
             "final_loss": summary.get("final_loss"),
+            "metrics": {k: v.get("last") for k, v in (summary.get("metrics") or {}).items()},
+            "checkpoint_kind": summary.get("checkpoint_kind"),
             "preemptions": preemptions,
             "seconds": round(time.time() - started, 3),
             "gpu_seconds": round(gpu_seconds, 3),
@@ -384,6 +402,7 @@ class _TrainJob:
     ckpt_spec: Any
     replica_spec: Any
     spec: dict
+    model: Any
     env: dict
     attempts_path: Path
     labels: dict
@@ -409,7 +428,7 @@ def _progress(places: list, label: str, log) -> dict:
     place, ``places[0]``) and the newest checkpoint committed in either place. Missing facts stay None (a killed gang reports no
     last step); reading them never hides the attempt's own outcome."""
     from hybridflow.training.checkpoint import CheckpointStore
-    from hybridflow.training.worker import attempt_status_key
+    from hybridflow.training.context import attempt_status_key
 
     out: dict = {"start_step": None, "last_step": None, "last_committed_step": None}
     try:

@@ -169,6 +169,10 @@ def render_run(view: dict[str, Any]) -> str:
             _kv_table(
                 [
                     ("project / team", f"{rec.get('project')} / {rec.get('team')}"),
+                    ("model", rec.get("model")),
+                    ("dataset", f"{rec.get('dataset')} ({rec.get('classification')}"
+                                + (f", regions {', '.join(rec['regions'])}" if rec.get("regions") else "")
+                                + f"), version {rec.get('dataset_version')}"),
                     ("triggered by", rec.get("triggered_by")),
                     ("GPUs x type", f"{rec.get('workers')} x {rec.get('gpu_type')}"),
                     ("GPU-hours", rec.get("gpu_hours")),
@@ -180,7 +184,7 @@ def render_run(view: dict[str, Any]) -> str:
                         if (training := rec.get("training"))
                         else []
                     ),
-                    ("accuracy", rec.get("accuracy")),
+                    ("held-out metric", _metric(rec.get("metric"))),
                     ("compressed as", (rec.get("compression") or {}).get("selected")),
                     ("endpoint", rec.get("endpoint")),
                     ("model version", rec.get("model_version")),
@@ -192,11 +196,18 @@ def render_run(view: dict[str, Any]) -> str:
         evaluation = view["evaluation"] or {}
         parts.append(
             "<p class='muted'>The record step has not run yet"
-            + (f"; held-out accuracy so far {evaluation['accuracy']:.4f}" if "accuracy" in evaluation else "")
+            + (f"; held-out {_metric(evaluation['metric'])} so far" if evaluation.get("metric") else "")
             + ".</p>"
         )
     parts.append(f"<p class='muted'>Run folder: <code>{escape(view['folder'])}</code></p>")
     return _page(title, "".join(parts))
+
+
+def _metric(metric: dict | None) -> str:
+    """``roc_auc 0.9876 (gate 0.95)`` from a record's metric."""
+    if not metric:
+        return "-"
+    return f"{metric.get('name')} {metric.get('value', float('nan')):.4f} (gate {metric.get('gate')})"
 
 
 def render_run_list(records: list[dict]) -> str:
@@ -205,7 +216,8 @@ def render_run_list(records: list[dict]) -> str:
         f"<tr><td><a href='runs/{escape(r['dag_id'])}/{escape(r['run_id'])}'>{escape(r['run_id'])}</a></td>"
         f"<td>{_cell(r.get('project'))}</td><td>{_cell(r.get('team'))}</td><td>{_cell(r.get('cluster'))}</td>"
         f"<td>{_cell(r.get('pricing_class'))}</td><td>{_cell(r.get('workers'))}</td>"
-        f"<td>{_cell(r.get('gpu_hours'))}</td><td>{_cell(r.get('accuracy'))}</td>"
+        f"<td>{_cell(r.get('model'))}</td>"
+        f"<td>{_cell(r.get('gpu_hours'))}</td><td>{escape(_metric(r.get('metric')))}</td>"
         f"<td>{_cell(r.get('recorded_at'))}</td></tr>"
         for r in records
     )
@@ -213,7 +225,7 @@ def render_run_list(records: list[dict]) -> str:
         "<h1>Training runs</h1>"
         + (
             "<table><tr><th>run</th><th>project</th><th>team</th><th>cluster</th><th>pricing</th>"
-            f"<th>GPUs</th><th>GPU-hours</th><th>accuracy</th><th>recorded</th></tr>{rows}</table>"
+            f"<th>GPUs</th><th>model</th><th>GPU-hours</th><th>held-out metric</th><th>recorded</th></tr>{rows}</table>"
             if records
             else "<p class='muted'>No run has been recorded yet.</p>"
         )

@@ -310,7 +310,7 @@ class KubernetesGangBackend:
 
     def list_gangs(self, label_selector: str, *, finished: bool = False) -> list[str]:
         """Names (sorted) of the gang jobs in the namespace whose labels match ``label_selector``, e.g.
-        ``hybridflow.io/project=digits,hybridflow.io/interruptible=true``. Succeeded and failed jobs
+        ``hybridflow.io/project=ranking,hybridflow.io/interruptible=true``. Succeeded and failed jobs
         (kept for their status and logs) and jobs already being deleted count only with ``finished``."""
         if self.scheduler == "volcano":
             listing = self.hook.custom_object_client.list_namespaced_custom_object(
