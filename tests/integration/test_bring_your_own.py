@@ -117,3 +117,45 @@ def test_a_training_function_that_raises_fails_the_try_with_its_traceback(tmp_pa
     attempts = json.loads((Path(tmp_path / "home" / "private" / "runs" / run["run_key"]) /
                            "train-attempts.json").read_text())
     assert [a["outcome"] for a in attempts] == ["failed"]  # no preemption relaunch was spent
+
+
+def test_a_dataset_in_a_private_bucket_is_validated_and_trained_on_where_it_lives(tmp_path, monkeypatch, rclone_s3):
+    """A catalogue entry at s3://<bucket>/<prefix> on a private endpoint: admission reads its header and
+    suites through the Connection, validate_data pins the objects, and the gang on the private cluster
+    reads them in place, each checked against the pinned version."""
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.storage.s3 import S3ObjectStore
+
+    endpoint, access, secret, data_dir = rclone_s3
+    monkeypatch.setenv("AIRFLOW_CONN_TEAM_DATA", airflow_conn_uri(access, secret, endpoint))
+
+    def in_a_bucket(config: Path) -> None:
+        def add(body: dict) -> None:
+            entry = dict(body["datasets"]["digits"], location="s3://team-data/datasets/digits", conn_id="team_data")
+            entry.pop("seed")
+            body["datasets"]["digits-s3"] = entry
+        _edit_yaml(config / "datasets.yaml", add)
+
+    home = _estate(tmp_path, monkeypatch, in_a_bucket)
+    bucket = S3ObjectStore("team-data", endpoint_url=endpoint, access_key=access, secret_key=secret)
+    bucket.ensure_bucket()
+    local = home / "private" / "datasets" / "digits"
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        bucket.put_bytes(f"datasets/digits/{path.relative_to(local).as_posix()}", path.read_bytes())
+
+    run, placement, staged, op, context = train_task(
+        "bucket", {"dataset": "digits-s3", "cluster_preference": "private", "hyperparameters": {"steps": 30},
+                   "checkpoint_every_steps": 10})
+    assert run["dataset_location"] == "s3://team-data/datasets/digits"
+    assert placement["cluster"] == "onprem-a"
+    assert staged["source"]["kind"] == "store" and staged["source"]["store"]["bucket"] == "team-data"
+    assert "access_key" not in json.dumps(staged)  # credentials reach the workers through their environment only
+    result = op.execute(context)
+    assert result["final_step"] == 30
+    version = json.loads((home / "private" / "runs" / run["run_key"] / "dataset-version.json").read_text())
+    assert sorted(e["key"] for e in version["manifest"]["entries"]) == [
+        "datasets/digits/test.csv", "datasets/digits/train.csv"]
+    # An object replaced after validation is refused by the next read, naming it.
+    bucket.put_bytes("datasets/digits/test.csv", b"pixel_0,label\n1,2\n")
+    with pytest.raises(Exception, match="digits-s3/test.csv is not the file validate_data checked"):
+        pipeline.evaluate(run, result)

@@ -34,4 +34,5 @@ def seed_examples(home) -> None:
     from hybridflow.settings import get_settings
 
     for entry in load_estate(get_settings().config_dir).datasets.datasets.values():
-        seed(entry, home / "private")
+        if entry.seed:
+            seed(entry, home / "private")
