@@ -266,8 +266,8 @@ def test_a_source_is_checked_under_the_catalogue_name_it_is_staged_as(stage, sto
     # By its folder's name it is not in the catalogue, so it is handled as restricted ...
     with pytest.raises(SovereigntyError, match="'export-2024' is not in datasets.yaml"):
         stage(export, store)
-    # ... and named as a restricted dataset it is refused as that one.
-    with pytest.raises(SovereigntyError, match="'records' is restricted"):
+    # ... and it cannot be judged under another entry's name: its objects would be stored under its own.
+    with pytest.raises(StagingError, match="named 'export-2024' but the catalogue entry checked is 'records'"):
         stage(export, store, dataset="records")
     _bucket_is_empty(rclone_s3, store)
 

@@ -153,8 +153,9 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
         started = time.monotonic()
         try:
             train_fn(ctx)
-            report(start_step=handle.restored_step)
             stopped = ctx.stopping
+            # Before any other write to the store: when preempted, the last checkpoint must commit
+            # within the grace period, or the worker exits 75 at once (the store may be what hangs).
             in_grace = handle.finish()
             if not stopped and not ctx.model_saved and rank == 0:  # rank 0's weights are the model
                 # Raised in here so the attempt is reported failed with this message, like any error.
