@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote
@@ -186,10 +187,14 @@ def _expect_all_green(page, run_id: str, tasks: list[str]) -> None:
     badges = [page.locator(f'a[id="grid-{run_id}-{t}"] [data-testid="task-state-badge"]') for t in tasks]
     for badge in badges:
         expect(badge).to_be_visible()
-    # Every grid square has the colour of the table's "Success" badges.
+    # Every grid square has the colour of the table's "Success" badges. The grid refreshes on its own
+    # timer, after the table: a square may still show its last state for a moment.
     success = page.get_by_test_id("table-cell-state").first.get_by_test_id("state-badge")
     colour = success.evaluate("e => getComputedStyle(e).backgroundColor")
-    assert {b.evaluate("e => getComputedStyle(e).backgroundColor") for b in badges} == {colour}
+    deadline = time.monotonic() + 30
+    while (seen := {b.evaluate("e => getComputedStyle(e).backgroundColor") for b in badges}) != {colour}:
+        assert time.monotonic() < deadline, f"grid squares {seen} never all took the Success colour {colour}"
+        page.wait_for_timeout(250)
 
 
 def _watch_the_grid(stack, page, shot, run_id: str) -> None:
