@@ -21,7 +21,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class ModelCard:
     target: str
     variant: str = "fp32"
     version: str | None = None  # the run that trained it
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def input_names(self) -> list[str]:
@@ -220,8 +219,6 @@ class Predictor:
         return scoring.predictions(self.raw(x), self.output)
 
 
-def inputs_and_target(frame, card: ModelCard | Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def inputs_and_target(frame, card: ModelCard) -> tuple[np.ndarray, np.ndarray]:
     """The signature's input columns (float32, in order) and the target column of a split's frame."""
-    names = card.input_names if isinstance(card, ModelCard) else list(card["input_names"])
-    target = card.target if isinstance(card, ModelCard) else card["target"]
-    return frame[names].to_numpy(dtype=np.float32), frame[target].to_numpy()
+    return frame[card.input_names].to_numpy(dtype=np.float32), frame[card.target].to_numpy()

@@ -162,10 +162,6 @@ class DatasetEntry(_Model):
     def suite_of(self, split: str) -> str:
         return self.splits[split].suite or self.suite  # type: ignore[return-value]
 
-    @property
-    def scheme(self) -> str:
-        return next(s for s in (PRIVATE_SCHEME, FILE_SCHEME, S3_SCHEME) if self.location.startswith(s))
-
 
 @dataclass(frozen=True)
 class Catalogue:

@@ -16,7 +16,6 @@ Nothing here imports Airflow or torch at module level: the training worker reads
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,14 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.catalogue import FILE_SCHEME, PRIVATE_SCHEME, S3_SCHEME, DatasetEntry
 from hybridflow.errors import AdmissionError, DataValidationError
-from hybridflow.storage.manifest import DatasetManifest, ManifestEntry
+from hybridflow.storage.manifest import DatasetManifest, ManifestEntry, sha256_bytes
+from hybridflow.storage.sources import skipped
 
 if TYPE_CHECKING:
     import pandas as pd
 
-# Staging skips these (in-flight writes), so the dataset never includes them either.
-_HIDDEN_PREFIX = "."
-_PART_SUFFIX = ".part"
 
 
 @dataclass(frozen=True)
@@ -111,10 +108,6 @@ def locate(entry: DatasetEntry, private_root: Path, file_roots: Sequence[Path] =
     return Location(uri=uri, path=path)
 
 
-def _visible(rel: str) -> bool:
-    return not any(part.startswith(_HIDDEN_PREFIX) for part in rel.split("/")) and not rel.endswith(_PART_SUFFIX)
-
-
 def list_relative(location: Location, store=None) -> list[tuple[str, int]]:
     """(relative path, size) of every visible file of the dataset."""
     if location.path is not None:
@@ -123,14 +116,14 @@ def list_relative(location: Location, store=None) -> list[tuple[str, int]]:
         for p in root.rglob("*"):
             if p.is_file():
                 rel = p.relative_to(root).as_posix()
-                if _visible(rel):
+                if not skipped(rel):  # what staging skips is not part of the dataset either
                     # A symlinked file must not pull in data from outside the dataset either.
                     if not _inside(p.resolve(), root):
                         raise AdmissionError("dataset", f"{p} links outside the dataset folder {root}; copy the file in")
                     out.append((rel, p.stat().st_size))
         return sorted(out)
     prefix = f"{location.prefix}/"
-    return sorted((info.key[len(prefix):], info.size) for info in store.list(prefix) if _visible(info.key[len(prefix):]))
+    return sorted((info.key[len(prefix):], info.size) for info in store.list(prefix) if not skipped(info.key[len(prefix):]))
 
 
 def split_files(entry: DatasetEntry, listing: Iterable[tuple[str, int]]) -> dict[str, list[str]]:
@@ -354,7 +347,7 @@ def pin_version(name: str, classification: str, source_uri: str, splits: Mapping
 
 
 def sha256_of(data: bytes) -> tuple[int, str]:
-    return len(data), hashlib.sha256(data).hexdigest()
+    return len(data), sha256_bytes(data)
 
 
 def seed(entry: DatasetEntry, private_root: Path, file_roots: Sequence[Path] = ()) -> Path:

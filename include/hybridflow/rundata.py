@@ -125,12 +125,17 @@ def source_where_it_lives(entry: DatasetEntry, private_root: Path, run_key: str,
                           file_roots: list[Path]) -> tuple[dict[str, Any], dict[str, str]]:
     """The data source (and the credentials in the environment) for reading the dataset in place:
     a private folder, or the private bucket through its Connection."""
-    location = locate(entry, private_root, file_roots)
+    source, spec = _in_place(locate(entry, private_root, file_roots), private_root, run_key)
+    return source, spec.credential_env() if spec is not None else {}
+
+
+def _in_place(location: Location, private_root: Path, run_key: str):
+    """(data source, the bucket's StoreSpec or None for a folder)."""
     version = str(version_path(private_root, run_key))
     if location.path is not None:
-        return {"kind": "local", "path": str(location.path), "version": version}, {}
+        return {"kind": "local", "path": str(location.path), "version": version}, None
     spec = location.store_spec()
-    return {"kind": "store", "store": spec.to_dict(), "version": version}, spec.credential_env()
+    return {"kind": "store", "store": spec.to_dict(), "version": version}, spec
 
 
 def open_validated(entry: DatasetEntry, run_key: str, classification: str, *, private_root: Path,
@@ -140,9 +145,8 @@ def open_validated(entry: DatasetEntry, run_key: str, classification: str, *, pr
     from hybridflow.training.data import open_dataset
 
     version = read_version(private_root, run_key)
-    source, _ = source_where_it_lives(entry, private_root, run_key, file_roots)
-    location = locate(entry, private_root, file_roots)
-    store = None if location.is_folder else open_store(location.store_spec())
+    source, spec = _in_place(locate(entry, private_root, file_roots), private_root, run_key)
+    store = open_store(spec) if spec is not None else None  # credentials from the Connection, not the env
     return open_dataset(source, dataset_info(entry, version, classification), store=store)
 
 

@@ -55,7 +55,7 @@ class DatasetSource(Protocol):
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
 
-def _skipped(rel: str) -> bool:
+def skipped(rel: str) -> bool:
     # Dot-files and *.part are in-flight writes (atomic writers rename them into place), not dataset content.
     return any(p.startswith(".") for p in rel.split("/")) or rel.endswith(".part")
 
@@ -87,7 +87,7 @@ class LocalFolderSource:
             with os.scandir(folder) as it:
                 for entry in it:
                     rel = f"{prefix}{entry.name}"
-                    if _skipped(rel):
+                    if skipped(rel):
                         continue
                     if entry.is_dir(follow_symlinks=False):
                         stack.append((Path(entry.path), f"{rel}/"))
@@ -170,7 +170,7 @@ class S3DatasetSource:
         self, index: HashIndex, *, md5_max_size: int, workers: int = 8,
         defer: Callable[[list[SourceFile]], set[str]] | None = None,
     ) -> list[SourceFile]:
-        listed = [i for i in self.store.list(f"{self.prefix}/") if not _skipped(i.key[len(self.prefix) + 1 :])]
+        listed = [i for i in self.store.list(f"{self.prefix}/") if not skipped(i.key[len(self.prefix) + 1 :])]
         if not listed:
             raise StagingError(f"no objects under {self.uri}; check the dataset URI")
         files = []
