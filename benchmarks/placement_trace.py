@@ -30,17 +30,18 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "include"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.reference: the in-repo reference data
+
+from tests.reference import PRICE_TABLE, TRACE_DIR  # noqa: E402
 
 from hybridflow.admission import AdmittedRun  # noqa: E402
 from hybridflow.config import Estate, load_estate  # noqa: E402
 from hybridflow.errors import PlacementError  # noqa: E402
 from hybridflow.placement import choose_cluster  # noqa: E402
 
-REFERENCE = Path("/work/shared/reference")
-TRACE_DIR = REFERENCE / "traces" / "alibaba-cluster-trace-gpu-v2023"
 DEFAULT_PODS = TRACE_DIR / "openb_pod_list_default.csv"
 DEFAULT_NODES = TRACE_DIR / "openb_node_list_gpu_node.csv"
-DEFAULT_PRICES = REFERENCE / "pricing" / "gpu_pricing_ondemand_vs_spot.csv"
+DEFAULT_PRICES = PRICE_TABLE
 PRIVATE, PUBLIC = "private-dc", "public-cloud"
 GPU = "A100-80GB"  # the trace's tasks ask for any GPU type (gpu_spec is empty): one model here
 PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}

@@ -20,14 +20,13 @@ from __future__ import annotations
 import copy
 import json
 from functools import cache
-from pathlib import Path
 
 import jsonschema
 import yaml
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
+from tests.reference import REFERENCE
 
-REFERENCE = Path("/work/shared/reference")
 GPU = "nvidia.com/gpu"
 
 

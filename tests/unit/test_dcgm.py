@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import threading
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
+from tests.reference import DCGM_SAMPLES
 
 from hybridflow.cli import main as cli_main
 from hybridflow.metering.dcgm import (
@@ -23,8 +22,7 @@ from hybridflow.metering.dcgm import (
     scrape,
 )
 
-REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
-SAMPLES = REFERENCE / "dcgm-exporter" / "samples"
+SAMPLES = DCGM_SAMPLES
 TS = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
 

@@ -4,14 +4,13 @@ from the reference table from a day on, kept over the configured price until tha
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from datetime import date, timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
+from tests.reference import PRICE_TABLE
 from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import make_record
 
@@ -22,14 +21,12 @@ from hybridflow.ledger.allocation import allocate_day, sync_prices
 from hybridflow.ledger.prices import import_price_table
 from hybridflow.settings import get_settings
 
-REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
-TABLE = REFERENCE / "pricing" / "gpu_pricing_ondemand_vs_spot.csv"
+TABLE = PRICE_TABLE
 DAY = date(2026, 11, 3)
 # aws us-east-1 in the table: H100 80 GB on demand 6.88 (p5.48xlarge, p5.4xlarge and a cross-check);
 # A100 80 GB spot per zone 1.246675 and 1.081312.
 H100_ON_DEMAND, A100_SPOT = 6.88, (1.246675 + 1.081312) / 2
 
-pytestmark = pytest.mark.skipif(not TABLE.is_file(), reason=f"{TABLE} (shared reference data) is not here")
 
 
 def _spot_cost(engine, day: date) -> float:

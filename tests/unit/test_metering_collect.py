@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import http.server
 import json
-import os
 import shutil
 import socket
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.reference import DCGM_SAMPLES
 from tests.unit.k8s_config import as_kubernetes
 
 from hybridflow.config import MeteringSettings, load_estate
@@ -31,8 +31,7 @@ from hybridflow.metering.collect import (
 from hybridflow.metering.dcgm import parse_metrics
 from hybridflow.settings import REPO_ROOT
 
-REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
-SAMPLES = REFERENCE / "dcgm-exporter" / "samples"
+SAMPLES = DCGM_SAMPLES
 H100 = (SAMPLES / "aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom").read_text()
 END = datetime(2026, 5, 1, 12, 5, tzinfo=UTC)
 WINDOW = timedelta(minutes=5)

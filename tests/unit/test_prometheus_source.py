@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import http.server
-import os
 import shutil
 import socket
 import subprocess
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import requests
+from tests.reference import DCGM_SAMPLES
 
 from hybridflow.config import load_estate
 from hybridflow.metering.dcgm import DcgmError, ExporterUnreachable, ScrapeSettings, parse_metrics
@@ -21,8 +20,7 @@ from hybridflow.metering.local_exporter import LocalExporterServer, LocalSlotExp
 from hybridflow.metering.prometheus import MAX_POINTS, PrometheusSource, aligned_window
 from hybridflow.settings import REPO_ROOT
 
-REFERENCE = Path(os.environ.get("HYBRIDFLOW_REFERENCE_DIR", Path(__file__).resolve().parents[3] / "shared" / "reference"))
-SAMPLES = REFERENCE / "dcgm-exporter" / "samples"
+SAMPLES = DCGM_SAMPLES
 PAGES = ("aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom",
          "lke_RTX4000Ada_k8s-pod-labels_xid-errmsg_drv580.95.05.prom")
 PROMETHEUS = shutil.which("prometheus")
