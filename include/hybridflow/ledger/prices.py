@@ -1,5 +1,5 @@
 """A published GPU price table (provider, region, GPU, tier, USD per GPU-hour; the format of
-shared reference pricing/gpu_pricing_ondemand_vs_spot.csv) into the ledger's versioned catalog, for
+tests/fixtures/reference/pricing/gpu_pricing_ondemand_vs_spot.csv) into the ledger's versioned catalog, for
 one public cluster's pools from a given day on.
 
 A new version applies from its valid_from until the next one for the same cluster, pricing class and
