@@ -50,6 +50,7 @@ class RunRequest(BaseModel):
     cluster_preference: ClusterPreference = "auto"
     placement_strategy: PlacementStrategy = "local_first"
     max_price_per_gpu_hour: float = Field(default=0.0, ge=0, le=1000)  # 0: no ceiling
+    start_by: str | None = None  # a duration: place where the gang is expected to start within it
     model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the model's registered parameters
     precision: Precision = "fp32"
     optimizer: Optimizer = "sgd_momentum"
@@ -72,6 +73,16 @@ class RunRequest(BaseModel):
             raise ValueError("expected a whole number, not true/false")
         return value
 
+    @field_validator("start_by", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        if value in (None, ""):
+            return None
+        from hybridflow.waits import parse_duration
+
+        parse_duration(value)  # ValueError names the accepted forms
+        return str(value).strip()
+
     @field_validator("model", "dataset", "project", "classification", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
@@ -84,6 +95,12 @@ class RunRequest(BaseModel):
     @property
     def spot_eligible(self) -> bool:
         return self.spot_allowed and self.interruptible
+
+    @property
+    def start_by_s(self) -> float | None:
+        from hybridflow.waits import parse_duration
+
+        return None if self.start_by is None else parse_duration(self.start_by)
 
 
 class AdmittedRun(RunRequest):
@@ -341,6 +358,9 @@ def _check_memory(req: RunRequest, registered: int, gpu_memory_gib: float, quota
     )
 
 
+_EXAMPLES = {"start_by": "2h"}  # Params whose default (None) is no example of a good value
+
+
 def _parse(raw: Mapping[str, Any]) -> RunRequest:
     # Missing Params take RunRequest's defaults (the API may trigger with a partial conf).
     try:
@@ -350,5 +370,6 @@ def _parse(raw: Mapping[str, Any]) -> RunRequest:
         loc = err["loc"]
         field = str(loc[0]) if loc else "params"
         msg = err["msg"].removeprefix("Value error, ")
-        example = RunRequest.model_fields[field].default if field in RunRequest.model_fields else None
+        example = _EXAMPLES.get(field, RunRequest.model_fields[field].default if field in RunRequest.model_fields
+                                else None)
         raise AdmissionError(field, f"{msg} (got {raw.get(field)!r}); e.g. {field}={example!r}") from None

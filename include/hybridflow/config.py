@@ -187,7 +187,13 @@ class ProjectsFile(_Model):
 
 
 class TrainingSettings(_Model):
+    # A gang waiting this long for admission looks for another eligible cluster with room now; with
+    # none it keeps its place in the queue (in the triggerer, no worker slot held) ...
     gang_admission_timeout_s: int = Field(default=120, gt=0)
+    # ... until it is admitted or has waited this long in all (then the train task fails, no retry).
+    max_queue_wait_s: int = Field(default=86_400, ge=0)
+    # How often a waiting gang's place in the queue is read, logged and shown on the run's page.
+    queue_poll_s: float = Field(default=5, gt=0, le=600)
     checkpoint_keep: int = Field(default=3, ge=1)  # committed checkpoints kept in each place
     # Interruptible runs also checkpoint on this timer: even a reclaim without SIGTERM loses about this much.
     interruptible_checkpoint_every_s: float = Field(default=300, gt=0)
@@ -287,6 +293,15 @@ class PlacementSettings(_Model):
     spill_threshold: float = Field(default=0.7, ge=0, le=1)
     # Count GPUs of gangs waiting for admission on private clusters towards that share (the queue).
     spill_counts_queue: bool = True
+    # Kubernetes clusters: each reading of a cluster's queues and usage is bounded by this timeout and
+    # reused for this long (a cluster that does not answer is shown as unknown and not chosen).
+    cluster_read_timeout_s: float = Field(default=5, gt=0, le=60)
+    cluster_load_cache_s: float = Field(default=5, ge=0, le=300)
+    # start_by: a cluster's wait is estimated from the ledger's queue waits of the last wait_history_days
+    # for gangs of half to twice the size; at least wait_min_samples of them, their wait_quantile.
+    wait_history_days: int = Field(default=30, ge=1, le=3650)
+    wait_min_samples: int = Field(default=5, ge=1)
+    wait_quantile: float = Field(default=0.8, gt=0, le=1)
 
 
 class MeteringCluster(_Model):

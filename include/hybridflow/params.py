@@ -105,6 +105,14 @@ TRAINING_PARAMS: dict[str, dict[str, Any]] = {
         "description": "With cluster_preference auto: local_first fills private clusters up to the spill "
         "threshold, elastic_first takes public capacity first. Restricted data stays private either way.",
     },
+    "start_by": {
+        "default": None,
+        "type": ["null", "string"],
+        "title": "Start within",
+        "description": "A deadline for the gang to start, as a duration (e.g. 30m, 2h, 1h30m, 1d or PT2H). "
+        "Placement then picks the cheapest eligible cluster expected to start in time, from the ledger's history "
+        "of queue waits. Empty: the usual rules.",
+    },
     "max_price_per_gpu_hour": {
         "default": 0.0,
         "type": "number",

@@ -64,44 +64,46 @@ def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> d
                             file_roots=estate.file_roots(settings.home), log=log)
 
 
-def _local_pools(estate, settings: Settings):
-    from hybridflow.backends.local import LocalSlotPool
+def cluster_loads(estate, settings: Settings) -> dict:
+    """Every cluster's GPUs in use, queued and held per team, as its backend reports them."""
+    from hybridflow.backends import estate_load
 
-    return {
-        name: LocalSlotPool(settings.state_dir, name, c.total_gpus)
-        for name, c in estate.clusters.items()
-        if c.backend == "local"
-    }
-
-
-def cluster_usage(estate, settings: Settings) -> dict[str, int]:
-    """GPUs held right now on each cluster, as its backend reports them."""
-    return {name: pool.usage() for name, pool in _local_pools(estate, settings).items()}
-
-
-def cluster_queue(estate, settings: Settings) -> dict[str, int]:
-    """GPUs of gangs waiting for admission on each cluster."""
-    return {name: pool.queued() for name, pool in _local_pools(estate, settings).items()}
+    return estate_load(estate, settings.state_dir)
 
 
 def team_usage(estate, settings: Settings) -> dict[str, int]:
-    """GPUs each team's gangs hold right now (local clusters)."""
-    usage: dict[str, int] = {}
-    for pool in _local_pools(estate, settings).values():
-        for holding in pool.holdings().values():
-            if holding.get("team"):
-                usage[holding["team"]] = usage.get(holding["team"], 0) + int(holding["slots"])
-    return usage
+    """GPUs each team's gangs hold right now, across the estate."""
+    from hybridflow.backends import team_usage as held
+
+    return held(cluster_loads(estate, settings))
+
+
+def wait_estimates(run, estate, loads: Mapping[str, Any]) -> dict | None:
+    """Each cluster's expected wait for the run's gang, for a run with ``start_by`` (None otherwise)."""
+    if not run.start_by_s:
+        return None
+    from hybridflow.ledger.queue_waits import queue_wait_history
+    from hybridflow.waits import estimate_waits
+
+    cfg = estate.pipeline.placement
+    try:
+        history = queue_wait_history(days=cfg.wait_history_days, clusters=list(loads))
+    except Exception as exc:  # noqa: BLE001 - no ledger: estimates from the clusters' load alone
+        log.warning("queue wait history unavailable (%s); estimating from the clusters' load only", exc)
+        history = []
+    return estimate_waits(history, loads, run.workers, quantile=cfg.wait_quantile, min_samples=cfg.wait_min_samples,
+                          days=cfg.wait_history_days)
 
 
 def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    from hybridflow.placement import choose_cluster as place
+    from hybridflow.placement import place
 
     settings = settings or get_settings()
     started = time.monotonic()
     estate = _estate(settings)
-    decision = place(_admitted(run), estate, cluster_usage(estate, settings),
-                     queued_gpus=cluster_queue(estate, settings))
+    admitted = _admitted(run)
+    loads = cluster_loads(estate, settings)
+    decision = place(admitted, estate, loads, waits=wait_estimates(admitted, estate, loads))
     log.info("Placement decision:\n%s", decision.explain())
     out = {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
     # For the run's page in the UI (hybridflow.ui.runs); a re-run replaces it.
@@ -111,23 +113,26 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
 
 def fail_over(
     run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str, reason: str, settings: Settings | None = None
-) -> tuple[dict, dict]:
-    """Place the run again without ``cluster`` (and every cluster it already failed on), stage its
-    data for the new one, and record both in placement.json: the run's page shows the failover and a
-    retried train task resumes on the new cluster. Returns (placement, staged)."""
-    from hybridflow.errors import GangError, PlacementError
-    from hybridflow.placement import choose_cluster as place
+) -> tuple[dict, dict] | None:
+    """Move a gang that waited ``reason`` on ``cluster`` to another eligible cluster that would admit
+    it now: place the run again without ``cluster`` (and every cluster it already left), stage its
+    data there, and record both in placement.json (the run's page shows the move and a retried train
+    task resumes there). Returns (placement, staged), or None when no eligible cluster has room now:
+    the gang keeps its place in ``cluster``'s queue."""
+    from hybridflow.errors import PlacementError
+    from hybridflow.placement import place
 
     settings = settings or get_settings()
     estate = _estate(settings)
     excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
     excluded[cluster] = reason
     try:
-        decision = place(_admitted(run), estate, cluster_usage(estate, settings), exclude=excluded,
-                         queued_gpus=cluster_queue(estate, settings))
+        decision = place(_admitted(run), estate, cluster_loads(estate, settings), exclude=excluded,
+                         require_room=True)
     except PlacementError as exc:
-        raise GangError(f"{reason} on {cluster}, and no other cluster can take the run: {exc}") from exc
-    log.warning("Failing over from %s (%s):\n%s", cluster, reason, decision.explain())
+        log.info("No other eligible cluster would admit the gang now; it keeps its place on %s:\n%s", cluster, exc)
+        return None
+    log.warning("Moving from %s (%s):\n%s", cluster, reason, decision.explain())
     out = decision.to_xcom()
     staged = stage_data(run, out, settings)
     out["staged_source"] = staged["source"]
@@ -173,7 +178,9 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
     roots = estate.file_roots(settings.home)
     cluster = estate.clusters[placement["cluster"]]
     version = rundata.read_version(settings.private_root, run["run_key"])
-    if cluster.location == "private" and cluster.backend == "local":
+    from hybridflow.backends import gang_backend
+
+    if cluster.location == "private" and gang_backend(cluster, estate, settings.state_dir).reads_private_storage:
         log.info("Cluster %s is private: the data is read where it lives (%s), nothing to stage.",
                  placement["cluster"], entry.location)
         source, _ = rundata.source_where_it_lives(entry, settings.private_root, run["run_key"], roots)

@@ -3,7 +3,8 @@
 The estate is one logical pool over labelled clusters. Each cluster is assessed by the rules in
 :data:`RULES`, in order; every rule a cluster fails is recorded against it (``rules`` per candidate):
 
-1. ``excluded``: a cluster that already failed this run (gang not admitted in time) is skipped;
+1. ``excluded``: a cluster the run already moved away from (gang not admitted in time) is skipped;
+   ``reachable``: a cluster whose usage and queue cannot be read right now is never chosen;
 2. ``sovereignty``: restricted data runs on private clusters only (never switched off); the
    classification is the dataset's own (``datasets.yaml``), raised by the run if it asked;
 3. ``region``: a dataset limited to regions or jurisdictions (``regions``) runs only on clusters in
@@ -12,13 +13,20 @@ The estate is one logical pool over labelled clusters. Each cluster is assessed 
 5. ``gpu_model``: the cluster needs a node pool of ``gpu_type``;
 6. ``spot``: spot pools only for runs that are interruptible *and* allow spot;
 7. ``gang_fits``: a gang runs in one pool, so the pool needs ``workers`` GPUs;
-8. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling).
+8. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling);
+9. ``room`` (only when moving a waiting gang, ``require_room``): the gang would be admitted now.
 
 Among eligible clusters, ``auto`` runs follow ``placement_strategy``: ``local_first`` prefers private
 clusters until the private share in use (plus queued, when ``placement.spill_counts_queue``) reaches
 ``placement.spill_threshold``, then spills to public; ``elastic_first`` prefers public capacity.
 Ties go to the least loaded (GPUs in use plus queued over capacity: the shortest queue), then the
 cheapest, then the name, so a retried task picks the same cluster.
+
+A run with ``start_by`` (a duration) is placed by deadline instead: each eligible cluster's wait is
+estimated (:mod:`hybridflow.waits`: room now, else the ledger's history of queue waits there for gangs
+of about its size) and the cheapest cluster expected to start in time wins; with no cluster expected
+in time the soonest known one wins, and with no estimate at all the rules above decide. The estimate
+and its basis are in the explanation either way.
 
 The functions take the estate and usage numbers only, so the trace replay
 (``benchmarks/placement_trace.py``) drives exactly these rules.
@@ -32,8 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.admission import AdmittedRun
+from hybridflow.backends.base import ClusterLoad
 from hybridflow.config import Cluster, Estate, NodePool
 from hybridflow.errors import PlacementError
+from hybridflow.waits import WaitEstimate, format_duration
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,7 @@ class _Candidate:
     used: int = 0
     queued: int = 0
     rank: int | None = None
+    wait: WaitEstimate | None = None
 
     @property
     def eligible(self) -> bool:
@@ -126,6 +137,8 @@ class _Candidate:
             "score": [self.tier, round(self.load, 4), self.price] if pool else None,
             "rules": dict(self.rules),
             "reasons": list(self.reasons),
+            "wait_estimate": None if self.wait is None else
+            {"seconds": self.wait.seconds, "basis": self.wait.basis, "samples": self.wait.samples},
         }
 
 
@@ -133,6 +146,10 @@ class _Candidate:
 class _Context:
     run: AdmittedRun
     excluded: dict[str, str]
+    unreachable: Mapping[str, str] = field(default_factory=dict)
+    require_room: bool = False
+    queues: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
+    queue: str = ""
 
 
 # -- rules: each returns why the cluster (or all its remaining pools) fails, or None ---------------
@@ -140,6 +157,21 @@ def _rule_excluded(ctx: _Context, cand: _Candidate) -> str | None:
     name = cand.cluster.name
     if name in ctx.excluded:
         return "excluded" + (f": {ctx.excluded[name]}" if ctx.excluded[name] else "")
+    return None
+
+
+def _rule_reachable(ctx: _Context, cand: _Candidate) -> str | None:
+    name = cand.cluster.name
+    if name in ctx.unreachable:
+        return f"usage and queue unknown ({ctx.unreachable[name]}): not chosen until the cluster answers"
+    return None
+
+
+def _rule_queue(ctx: _Context, cand: _Candidate) -> str | None:
+    existing = ctx.queues.get(cand.cluster.name)
+    if existing is not None and ctx.queue not in existing:
+        return (f"team {ctx.run.team}'s queue {ctx.queue!r} does not exist on the cluster; create it there or set "
+                f"teams.{ctx.run.team}.queue in projects.yaml to one of: {', '.join(sorted(existing)) or 'none'}")
     return None
 
 
@@ -211,10 +243,22 @@ def _rule_price_ceiling(ctx: _Context, cand: _Candidate) -> str | None:
     return None
 
 
+def _rule_room(ctx: _Context, cand: _Candidate) -> str | None:
+    if not ctx.require_room or not cand.pools:
+        return None
+    c, need = cand.cluster, ctx.run.workers
+    if cand.queued or cand.used + need > c.total_gpus:
+        return (f"no room now: {cand.used}/{c.total_gpus} GPUs in use, {cand.queued} queued; the gang of {need} "
+                "would wait here too")
+    return None
+
+
 Rule = Callable[[_Context, _Candidate], "str | None"]
 # Order matters only for the story told: every failing rule is recorded, pools narrow as they go.
 RULES: tuple[tuple[str, Rule], ...] = (
     ("excluded", _rule_excluded),
+    ("reachable", _rule_reachable),
+    ("queue", _rule_queue),
     ("sovereignty", _rule_sovereignty),
     ("region", _rule_region),
     ("preference", _rule_preference),
@@ -222,6 +266,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("spot", _rule_spot),
     ("gang_fits", _rule_gang_fits),
     ("price_ceiling", _rule_price_ceiling),
+    ("room", _rule_room),
 )
 
 
@@ -242,12 +287,19 @@ def choose_cluster(
     *,
     exclude: Mapping[str, str] | Collection[str] = (),
     queued_gpus: Mapping[str, int] | None = None,
+    unreachable: Mapping[str, str] | None = None,
+    require_room: bool = False,
+    waits: Mapping[str, WaitEstimate] | None = None,
+    queues: Mapping[str, frozenset[str] | None] | None = None,
 ) -> PlacementDecision:
     """Pick the cluster and node pool for ``run``.
 
     ``used_gpus`` maps cluster name to GPUs in use and ``queued_gpus`` to GPUs of gangs waiting for
     admission (missing = 0). ``exclude`` names clusters to skip, e.g. one that did not admit the gang
-    in time; a mapping gives the reason shown in the log.
+    in time; a mapping gives the reason shown in the log. ``unreachable`` maps clusters whose load
+    could not be read to why (never chosen). ``require_room`` keeps only clusters that would admit
+    the gang now (moving a waiting gang). ``waits`` are the clusters' estimated waits, for a run
+    with ``start_by``. ``queues`` names the team queues that exist on each cluster (None: not known).
     """
     settings = estate.pipeline.placement
     threshold = settings.spill_threshold
@@ -259,9 +311,13 @@ def choose_cluster(
     strategy = run.placement_strategy
     spilling = run.cluster_preference == "auto" and strategy == "local_first" and share >= threshold
 
-    ctx = _Context(run=run, excluded=excluded)
+    ctx = _Context(run=run, excluded=excluded, unreachable=dict(unreachable or {}), require_room=require_room,
+                   queues=dict(queues or {}), queue=estate.queue_of(run.team) if run.team in estate.teams else "")
     candidates = [_assess(ctx, c, used[name], queued[name], spilling) for name, c in sorted(estate.clusters.items())]
     eligible = sorted((c for c in candidates if c.eligible), key=_Candidate.key)
+    deadline = _by_deadline(run, eligible, waits) if run.start_by_s and eligible else None
+    if deadline is not None:
+        eligible = deadline[0]
     if not eligible:
         err = PlacementError(
             f"no cluster can take {run.workers} x {run.gpu_type} for project {run.project!r} "
@@ -283,7 +339,7 @@ def choose_cluster(
             cand.reasons.append(f"ranked {rank}: {_why_lost(cand, winner, share, threshold, strategy)}")
     assert winner.pool is not None
     pool = winner.pool
-    why = _policy_reason(run, winner, share, threshold, spilling)
+    why = deadline[1] if deadline is not None else _policy_reason(run, winner, share, threshold, spilling)
     if run.regions:
         why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
                    f"{' / '.join(winner.cluster.areas)}")
@@ -301,6 +357,9 @@ def choose_cluster(
     why.extend(
         f"chosen over {c.cluster.name}: {_why_lost(c, winner, share, threshold, strategy)}" for c in eligible[1:]
     )
+    if run.start_by_s and deadline is None:
+        why.append(f"start_by {format_duration(run.start_by_s)}: no wait estimate (none was given), placed by the "
+                   "rules above")
     winner.reasons.append("chosen")
 
     return PlacementDecision(
@@ -369,6 +428,9 @@ def _policy_reason(run: AdmittedRun, winner: _Candidate, share: float, threshold
 
 
 def _why_lost(cand: _Candidate, winner: _Candidate, share: float, threshold: float, strategy: str) -> str:
+    if cand.wait is not None and winner.wait is not None and cand.wait.seconds != winner.wait.seconds:
+        return f"start_by: expected wait {_wait_text(cand.wait)} against {_wait_text(winner.wait)}" + (
+            f", dearer ({cand.price:.2f} vs {winner.price:.2f} USD/GPU-hour)" if cand.price > winner.price else "")
     if cand.tier != winner.tier:
         if strategy == "elastic_first":
             return "elastic_first: public clusters come first"
@@ -380,3 +442,46 @@ def _why_lost(cand: _Candidate, winner: _Candidate, share: float, threshold: flo
     if cand.price != winner.price:
         return f"dearer ({cand.price:.2f} vs {winner.price:.2f} USD/GPU-hour)"
     return "tied on load and price; name order decides"
+
+
+def _wait_text(wait: WaitEstimate) -> str:
+    return "unknown" if wait.seconds is None else format_duration(wait.seconds)
+
+
+def _by_deadline(run: AdmittedRun, eligible: list[_Candidate],
+                 waits: Mapping[str, WaitEstimate] | None) -> tuple[list[_Candidate], list[str]] | None:
+    """Eligible clusters in deadline order with the reasons, or None when no cluster has an estimate
+    (the usual rules decide). Expected in time: cheapest first; else soonest known first."""
+    if not waits:
+        return None
+    start_by = float(run.start_by_s)
+    for cand in eligible:
+        cand.wait = waits.get(cand.cluster.name) or WaitEstimate(cand.cluster.name, None, "no estimate")
+    estimates = [f"{c.cluster.name}: expected wait {_wait_text(c.wait)} ({c.wait.basis})" for c in eligible]
+    known = [c for c in eligible if c.wait.seconds is not None]
+    if not known:
+        return None
+    in_time = [c for c in known if c.wait.seconds <= start_by]
+    head = f"start_by {format_duration(start_by)}"
+    if in_time:
+        first = sorted(in_time, key=lambda c: (c.price, c.key()))
+        why = [f"{head}: {first[0].cluster.name} is the cheapest cluster expected to start in time "
+               f"({first[0].price:.2f} USD/GPU-hour)"]
+    else:
+        first = sorted(known, key=lambda c: (c.wait.seconds, c.price, c.key()))
+        why = [f"{head}: no cluster is expected to start in time; {first[0].cluster.name} is expected to start soonest"]
+    rest = [c for c in eligible if c not in first]
+    return first + rest, why + [f"estimate: {e}" for e in estimates]
+
+
+def place(run: AdmittedRun, estate: Estate, loads: Mapping[str, ClusterLoad], *,
+          exclude: Mapping[str, str] | Collection[str] = (), require_room: bool = False,
+          waits: Mapping[str, WaitEstimate] | None = None) -> PlacementDecision:
+    """:func:`choose_cluster` on the clusters' load readings (as :func:`hybridflow.backends.estate_load`
+    gives them): usage, queue, reachability and the team queues that exist."""
+    return choose_cluster(
+        run, estate, {n: ld.used for n, ld in loads.items()}, exclude=exclude,
+        queued_gpus={n: ld.queued for n, ld in loads.items()},
+        unreachable={n: ld.reason or "no answer" for n, ld in loads.items() if not ld.reachable},
+        require_room=require_room, waits=waits, queues={n: ld.queues for n, ld in loads.items()},
+    )

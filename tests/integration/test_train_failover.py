@@ -67,8 +67,10 @@ def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -
     assert current["cluster"] == "onprem-a" and staged["source"]["kind"] == "local"
 
 
-def test_no_other_candidate_fails_the_try_with_every_reason(two_private: Path) -> None:
-    from hybridflow.errors import GangError
+def test_with_no_other_cluster_free_the_gang_keeps_its_place_instead_of_failing(two_private: Path) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from hybridflow.queueing import QueueWaitTrigger
 
     home = two_private
     run, placement, op, context = _train_task("nowhere", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
@@ -76,12 +78,14 @@ def test_no_other_candidate_fails_the_try_with_every_reason(two_private: Path) -
     for pool in pools:
         assert pool.try_acquire("someone-else", 4)
     try:
-        with pytest.raises(GangError) as info:
+        with pytest.raises(TaskDeferred) as deferred:
             op.execute(context)
     finally:
         for pool in pools:
             pool.release("someone-else")
-    message = str(info.value)
-    assert "no other cluster can take the run" in message
-    assert "onprem-a (private): excluded: gang not admitted within 1 s" in message
-    assert "onprem-b (private): excluded: gang not admitted within 1 s" in message
+    trigger = deferred.value.trigger
+    # Placement chose onprem-b; onprem-a has no room either, so the run waits on onprem-b, no retry spent.
+    assert isinstance(trigger, QueueWaitTrigger) and trigger.cluster == "onprem-b"
+    assert trigger.recheck_s == 1 and trigger.max_wait_s == 86_400
+    recorded = json.loads((home / "private" / "runs" / run["run_key"] / "placement.json").read_text())
+    assert recorded["cluster"] == "onprem-b" and not recorded.get("failovers")

@@ -222,8 +222,8 @@ def test_odd_usage_numbers_are_clamped(estate: Estate, run_for) -> None:
 def test_every_candidate_records_each_rule(estate: Estate, run_for) -> None:
     d = choose_cluster(run_for(), estate, {})
     east = candidate(d, "cloud-east")["rules"]
-    assert list(east) == ["excluded", "sovereignty", "region", "preference", "gpu_model", "spot", "gang_fits",
-                          "price_ceiling"]
+    assert list(east) == ["excluded", "reachable", "queue", "sovereignty", "region", "preference", "gpu_model",
+                          "spot", "gang_fits", "price_ceiling", "room"]
     assert east["spot"].startswith("its A100-80GB GPUs are spot only")
     assert set(candidate(d, "onprem-a")["rules"].values()) == {"pass"}
 
@@ -310,3 +310,73 @@ def test_an_eu_only_dataset_is_placed_in_the_eu(tmp_path: Path, run_for) -> None
     # Even when the EU cloud cannot take it, the US one is never the answer.
     with pytest.raises(PlacementError, match="may only be processed in eu"):
         choose_cluster(run, est, {}, exclude={"cloud-eu": "gang not admitted"})
+
+
+# -- what the clusters report: reachability, room now, team queues ---------------------------------
+def test_an_unreachable_cluster_is_never_chosen_and_the_explanation_says_why(estate: Estate, run_for) -> None:
+    from hybridflow.backends.base import ClusterLoad
+    from hybridflow.placement import place
+
+    loads = {"onprem-a": ClusterLoad.unknown("onprem-a", 4, "Connection k8s_dc2: connection refused"),
+             "cloud-east": ClusterLoad("cloud-east", 8)}
+    d = place(run_for(**SPOT), estate, loads)
+    assert d.cluster == "cloud-east"  # private would win on an idle estate; it cannot be read
+    assert "connection refused" in candidate(d, "onprem-a")["rules"]["reachable"]
+    assert "not chosen until the cluster answers" in d.explain()
+    with pytest.raises(PlacementError, match="onprem-a .*usage and queue unknown"):
+        place(run_for(classification="restricted"), estate, loads)  # restricted: nowhere else to go
+
+
+def test_moving_a_waiting_gang_only_goes_where_it_would_start_now(estate: Estate, run_for) -> None:
+    run = run_for(**SPOT)
+    d = choose_cluster(run, estate, {"cloud-east": 0}, exclude={"onprem-a": "waited"}, require_room=True)
+    assert d.cluster == "cloud-east"
+    with pytest.raises(PlacementError, match="no room now: 8/8 GPUs in use"):
+        choose_cluster(run, estate, {"cloud-east": 8}, exclude={"onprem-a": "waited"}, require_room=True)
+    with pytest.raises(PlacementError, match="2 queued"):
+        choose_cluster(run, estate, {}, queued_gpus={"cloud-east": 2}, exclude={"onprem-a": "waited"},
+                       require_room=True)
+
+
+def test_a_team_queue_missing_on_a_cluster_rules_it_out_naming_the_fix(estate: Estate, run_for) -> None:
+    run = run_for(**SPOT)
+    d = choose_cluster(run, estate, {}, queues={"onprem-a": frozenset({"other-team"})})
+    assert d.cluster == "cloud-east"
+    why = candidate(d, "onprem-a")["rules"]["queue"]
+    assert f"queue {estate.queue_of(run.team)!r} does not exist" in why and f"teams.{run.team}.queue" in why
+
+
+# -- start_by: the cheapest cluster expected to start in time -------------------------------------
+def test_start_by_picks_the_cheaper_cluster_when_history_says_it_starts_in_time(estate: Estate, run_for) -> None:
+    from hybridflow.waits import WaitEstimate
+
+    run = run_for(start_by="2h", **SPOT)
+    busy = {"onprem-a": 4}  # private full: the usual rules spill to public
+    assert choose_cluster(run, estate, busy).cluster == "cloud-east"
+    waits = {"onprem-a": WaitEstimate("onprem-a", 1800, "p80 of 12 waits of 1-4 GPU gangs on onprem-a", 12),
+             "cloud-east": WaitEstimate("cloud-east", 0, "room now", 0)}
+    d = choose_cluster(run, estate, busy, waits=waits)
+    assert d.cluster == "onprem-a" and d.price_per_gpu_hour < candidate(d, "cloud-east")["price_per_gpu_hour"]
+    assert "cheapest cluster expected to start in time" in d.reasons[0]
+    assert any("p80 of 12 waits" in r for r in d.reasons)
+    assert candidate(d, "onprem-a")["wait_estimate"]["seconds"] == 1800
+    # History says the private wait is longer than the deadline: the cluster that starts in time wins.
+    late = {**waits, "onprem-a": WaitEstimate("onprem-a", 3 * 3600, "p80 of 12 waits", 12)}
+    assert choose_cluster(run, estate, busy, waits=late).cluster == "cloud-east"
+
+
+def test_start_by_without_history_says_so_and_keeps_the_usual_rules(estate: Estate, run_for) -> None:
+    from hybridflow.waits import WaitEstimate
+
+    run = run_for(start_by="30m", **SPOT)
+    unknown = {n: WaitEstimate(n, None, f"no history: only 0 waits on {n}") for n in ("onprem-a", "cloud-east")}
+    d = choose_cluster(run, estate, {"onprem-a": 4}, waits=unknown)
+    assert d.cluster == "cloud-east"  # spilled, as without start_by
+    assert any("no wait estimate" in r for r in d.reasons)
+
+
+@pytest.mark.parametrize("value", ["-2h", "soon", "0", "P1M"])
+def test_a_bad_start_by_is_refused_at_admission_naming_the_field(run_for, value: str) -> None:
+    with pytest.raises(AdmissionError) as err:
+        run_for(start_by=value)
+    assert err.value.field == "start_by" and "2h" in str(err.value)

@@ -1,0 +1,59 @@
+"""Cluster backends: where gang jobs run. :func:`gang_backend` is the one place that picks the
+implementation for a cluster of the estate (``backend`` in clusters.yaml); everything else talks to
+the :class:`~hybridflow.backends.base.GangBackend` it returns."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding
+
+if TYPE_CHECKING:
+    from hybridflow.config import Cluster, Estate
+
+__all__ = ["ClusterLoad", "GangBackend", "GangJob", "QueueStanding", "estate_load", "gang_backend"]
+
+
+def gang_backend(cluster: Cluster, estate: Estate, state_dir: Path, *, hook: Any = None) -> GangBackend:
+    """The backend of ``cluster``, set up from the pipeline's training and placement settings
+    (``state_dir``: where local clusters keep their slot pools and job records)."""
+    training = estate.pipeline.training
+    if cluster.backend == "kubernetes":
+        from hybridflow.backends.k8s.backend import KubernetesGangBackend
+
+        placement = estate.pipeline.placement
+        # The scheduler restarts an evicted gang itself (resuming from its checkpoint) this many times.
+        return KubernetesGangBackend(cluster, image=cluster.image or "", max_retry=training.preemption_retries,
+                                     grace_s=training.preemption_grace_s, hook=hook,
+                                     read_timeout_s=placement.cluster_read_timeout_s,
+                                     cache_s=placement.cluster_load_cache_s)
+    from hybridflow.backends.local import LocalGangBackend
+
+    return LocalGangBackend(state_dir, cluster.name, cluster.total_gpus, grace_s=training.preemption_grace_s,
+                            critical_preempts_batch=estate.pipeline.admission.critical_preempts_batch)
+
+
+def estate_load(estate: Estate, state_dir: Path) -> dict[str, ClusterLoad]:
+    """Every cluster's load, read in parallel (each Kubernetes read is bounded by its timeout)."""
+    clusters = sorted(estate.clusters.values(), key=lambda c: c.name)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(clusters)))) as pool:
+        loads = list(pool.map(lambda c: _load(c, estate, state_dir), clusters))
+    return {load.cluster: load for load in loads}
+
+
+def _load(cluster: Cluster, estate: Estate, state_dir: Path) -> ClusterLoad:
+    try:
+        return gang_backend(cluster, estate, state_dir).load()
+    except Exception as exc:  # noqa: BLE001 - a cluster we cannot read is unknown, not an error
+        return ClusterLoad.unknown(cluster.name, cluster.total_gpus, f"{type(exc).__name__}: {exc}")
+
+
+def team_usage(loads: dict[str, ClusterLoad]) -> dict[str, int]:
+    """GPUs each team holds across the estate."""
+    usage: dict[str, int] = {}
+    for load in loads.values():
+        for team, gpus in load.teams.items():
+            usage[team] = usage.get(team, 0) + int(gpus)
+    return usage

@@ -32,11 +32,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hybridflow
+from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding, standing_in
+from hybridflow.backends.errors import (  # noqa: F401 - the train task and tests import them from here
+    GangFailed,
+    GangNotAdmitted,
+    GangPreempted,
+    GangStopped,
+    GangWorkerExit,
+)
 from hybridflow.errors import GangError
 
 # Same value as hybridflow.training.worker.PREEMPTED_EXIT_CODE; not imported because that pulls in torch.
@@ -45,71 +53,13 @@ WORKER_MODULE = "hybridflow.training.worker"
 _PR_SET_PDEATHSIG = 1
 
 
-class GangWorkerExit(GangError):
-    """A worker of an admitted gang exited non-zero: which rank, its exit code and its log tail."""
-
-    def __init__(self, message: str, *, rank: int, exit_code: int, log_tail: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exit_code = exit_code
-        self.log_tail = log_tail
-
-
-class GangNotAdmitted(GangError):
-    """The gang's slots did not all come free within the admission timeout; nothing was started."""
-
-    def __init__(self, message: str, *, cluster: str, over_team_cap: bool = False) -> None:
-        super().__init__(message)
-        self.cluster = cluster
-        # Held back by its team's gpu_cap, which spans clusters: another cluster would not help.
-        self.over_team_cap = over_team_cap
-
-
-class GangPreempted(GangWorkerExit):
-    """A worker stopped on SIGTERM after checkpointing (exit 75): rerun the gang to resume."""
-
-
-class GangFailed(GangWorkerExit):
-    """A worker failed (any other non-zero exit); the whole gang was stopped."""
-
-
-class GangStopped(GangWorkerExit):
-    """The gang was stopped on purpose with :meth:`LocalGangBackend.stop` (e.g. its project's budget
-    is spent): the workers checkpointed, and it must not be relaunched. ``reason`` says why."""
-
-    def __init__(self, message: str, *, reason: str, **kwargs: Any) -> None:
-        super().__init__(message, **kwargs)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class GangJob:
-    name: str  # deterministic per run (e.g. "<dag>-<run>-train") so a retry finds its own slots
-    workers: int
-    spec: dict  # written to job.json for the workers; must not hold credentials
-    env: dict[str, str] = field(default_factory=dict, repr=False)  # extra env, incl. store credentials
-    attempt: str = "1"
-    # Who the gang works for (project, team, priority, interruptible), kept with the running gang so a
-    # budget freeze can find a project's gangs and admission can order, cap and preempt by them.
-    labels: dict[str, str] = field(default_factory=dict)
-    # The team's gpu_cap over every local cluster (None: no cap, e.g. critical runs).
-    team_cap: int | None = None
-
-    @property
-    def priority(self) -> str:
-        return self.labels.get("priority", "normal")
-
-    @property
-    def team(self) -> str | None:
-        return self.labels.get("team")
-
-
 @dataclass(frozen=True)
 class GangResult:
     exit_codes: list[int]
     seconds: float
     log_paths: list[Path]
     job_dir: Path
+    queued_s: float = 0.0  # waited for admission, since the gang first queued
 
 
 # -- process helpers ---------------------------------------------------------------------------
@@ -262,8 +212,10 @@ class LocalSlotPool:
                 _atomic_write_json(self.path, state)
 
     def _reclaim_dead(self, holdings: dict) -> None:
+        now = time.time()
         for name, h in list(holdings.items()):
-            if not pid_alive(int(h["pid"]), h.get("pid_start")):
+            # A lease (slots reserved by a waiting task's trigger) lapses if its task never comes for them.
+            if not pid_alive(int(h["pid"]), h.get("pid_start")) or h.get("lease_until", now) < now:
                 del holdings[name]
 
     def _team_held_elsewhere(self, team: str) -> int:
@@ -292,11 +244,16 @@ class LocalSlotPool:
         team: str | None = None,
         team_cap: int | None = None,
         queue: bool = False,
+        since: float | None = None,
+        lease_s: float | None = None,
     ) -> bool:
-        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name.
+        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
+        slots the job already holds moves them to ``pid`` (and drops any lease).
 
         ``queue=True`` leaves (or refreshes) a ticket when the gang cannot start yet; it is removed
-        when the gang is admitted, by :meth:`withdraw`, or when its process dies.
+        when the gang is admitted, by :meth:`withdraw`, or when its process dies. ``since`` keeps a
+        gang's place when its ticket is taken over by another process (a deferred task's trigger).
+        ``lease_s``: the slots are reserved for that long only, unless the job takes them again.
         """
         if n < 1:
             raise ValueError(f"a gang needs at least one worker, got {n}")
@@ -311,17 +268,17 @@ class LocalSlotPool:
         if team is not None and team_cap is not None:
             with self._flock(self.dir / TEAMS_LOCK):
                 elsewhere = self._team_held_elsewhere(team)
-                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue)
-        return self._try(job_name, n, pid, priority, team, None, 0, queue)
+                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue, since, lease_s)
+        return self._try(job_name, n, pid, priority, team, None, 0, queue, since, lease_s)
 
     def _try(self, job_name: str, n: int, pid: int, priority: str, team: str | None, team_cap: int | None,
-             team_elsewhere: int, queue: bool) -> bool:
+             team_elsewhere: int, queue: bool, since: float | None, lease_s: float | None) -> bool:
         with self._locked() as state:
             holdings, waiting = state["holdings"], state["waiting"]
             mine = holdings.get(job_name)
             ticket = waiting.get(job_name)
             now = time.time()
-            since = ticket["since"] if ticket else now
+            since = ticket["since"] if ticket else (since or now)
             used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
             over_cap = False
             if team_cap is not None:
@@ -350,7 +307,10 @@ class LocalSlotPool:
                 "priority": priority,
                 "team": team,
                 "since": mine["since"] if mine else now,
+                "queued_since": mine.get("queued_since", since) if mine else since,
             }
+            if lease_s is not None:
+                holdings[job_name]["lease_until"] = now + lease_s
             return True
 
     def withdraw(self, job_name: str) -> None:
@@ -379,9 +339,32 @@ class LocalSlotPool:
         with self._locked() as state:
             return dict(state["waiting"])
 
+    def load(self) -> ClusterLoad:
+        """Held, queued and per-team slots, and the waiting gangs in admission order (a gang held
+        only by its team's cap does not block the others: it comes last)."""
+        with self._locked() as state:
+            holdings, waiting = dict(state["holdings"]), dict(state["waiting"])
+        teams: dict[str, int] = {}
+        for h in holdings.values():
+            if h.get("team"):
+                teams[h["team"]] = teams.get(h["team"], 0) + int(h["slots"])
+        order = sorted(waiting.items(), key=lambda kv: (bool(kv[1].get("over_cap")),
+                                                        PRIORITY_RANK.get(kv[1].get("priority"), 1), kv[1]["since"]))
+        return ClusterLoad(
+            cluster=self.cluster, capacity=self.capacity, used=sum(int(h["slots"]) for h in holdings.values()),
+            queued=sum(int(t["slots"]) for t in waiting.values()), teams=teams,
+            waiting=tuple((name, int(t["slots"]), t.get("priority") or "normal", t.get("team")) for name, t in order),
+        )
+
+    def standing(self, job_name: str) -> QueueStanding:
+        load = self.load()
+        over_cap = bool(self.waiting().get(job_name, {}).get("over_cap"))
+        found = standing_in(load, job_name)
+        return QueueStanding(found.cluster, found.position, found.gpus_ahead, found.free, found.capacity, over_cap)
+
 
 # -- gang backend ------------------------------------------------------------------------------
-class LocalGangBackend:
+class LocalGangBackend(GangBackend):
     """Runs gangs as local processes against a :class:`LocalSlotPool`."""
 
     def __init__(
@@ -395,17 +378,32 @@ class LocalGangBackend:
         critical_preempts_batch: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
-        self.cluster = cluster
+        self.cluster = self.cluster_name = cluster
         self.pool = LocalSlotPool(self.state_dir, cluster, capacity)
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.critical_preempts_batch = critical_preempts_batch
 
-    def usage(self) -> int:
-        return self.pool.usage()
+    def load(self) -> ClusterLoad:
+        return self.pool.load()
 
-    def queued(self) -> int:
-        return self.pool.queued()
+    def standing(self, job_name: str) -> QueueStanding:
+        return self.pool.standing(job_name)
+
+    @property
+    def supervised_by_task(self) -> bool:
+        return True  # workers die with their launcher (PR_SET_PDEATHSIG)
+
+    @property
+    def reads_private_storage(self) -> bool:
+        return True  # the gang's processes run on this machine, next to private storage
+
+    def find_gangs(self, labels, *, not_labels=None) -> list[str]:
+        return sorted(
+            g["name"] for g in self.running_gangs()
+            if all(g["labels"].get(k) == v for k, v in labels.items())
+            and not any(g["labels"].get(k) == v for k, v in (not_labels or {}).items())
+        )
 
     def job_dir(self, job_name: str) -> Path:
         return self.state_dir / "jobs" / job_name
@@ -417,44 +415,49 @@ class LocalGangBackend:
         return self.job_dir(job_name) / "stop.json"
 
     # -- admission ---
-    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None]) -> None:
+    def admit_step(self, job: GangJob, *, since: float | None = None, lease_s: float | None = None,
+                   pid: int | None = None, preempted: set[str] | None = None,
+                   log: Callable[[str], None] = print) -> bool:
+        """One try to admit ``job``: take its slots, or leave its ticket (keeping its place from
+        ``since``); a critical gang also stops batch gangs in its way. ``lease_s`` reserves the
+        slots for the task that will launch the gang (a trigger admits on its behalf)."""
+        if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
+                                 team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s):
+            return True
+        if job.priority == "critical" and self.critical_preempts_batch and preempted is not None:
+            preempted |= self._preempt_batch(job, preempted, log)
+        return False
+
+    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None],
+               queued_since: float | None) -> float:
+        """Wait up to ``admission_timeout_s`` for the gang's slots; returns the seconds it waited
+        since it first queued (``queued_since``, epoch, when an earlier try already waited)."""
         deadline = time.monotonic() + admission_timeout_s
+        since = queued_since or time.time()
         announced = False
         preempted: set[str] = set()
-
-        def acquire() -> bool:
-            return self.pool.try_acquire(job.name, job.workers, priority=job.priority, team=job.team,
-                                         team_cap=job.team_cap, queue=True)
-
         try:
-            while not acquire():
+            while not self.admit_step(job, since=since, preempted=preempted, log=log):
+                standing = self.pool.standing(job.name)
                 if time.monotonic() >= deadline:
-                    if self.pool.waiting().get(job.name, {}).get("over_cap"):
-                        raise GangNotAdmitted(
-                            f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: team {job.team!r} "
-                            f"holds its gpu_cap of {job.team_cap} GPUs; it starts when the team's other runs "
-                            "finish (the task retries), or raise the cap in projects.yaml",
-                            cluster=self.cluster,
-                            over_team_cap=True,
-                        )
+                    cap = (f"team {job.team!r} holds its gpu_cap of {job.team_cap} GPUs" if standing.over_team_cap
+                           else standing.describe())
                     raise GangNotAdmitted(
-                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s: needs "
-                        f"{job.workers} slots on cluster {self.cluster!r}, {self.pool.usage()} of "
-                        f"{self.pool.capacity} in use; retry later or place the run on another cluster",
-                        cluster=self.cluster,
+                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s on cluster "
+                        f"{self.cluster!r}: {cap}", cluster=self.cluster, over_team_cap=standing.over_team_cap,
+                        queued_since=since, standing=standing,
                     )
                 if not announced:
-                    ticket = self.pool.waiting().get(job.name, {})
-                    why = f"team {job.team} at its gpu_cap of {job.team_cap}" if ticket.get("over_cap") else (
-                        f"{self.pool.usage()} of {self.pool.capacity} slots in use")
+                    why = (f"team {job.team} at its gpu_cap of {job.team_cap}" if standing.over_team_cap
+                           else standing.describe())
                     log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster} "
                         f"(priority {job.priority}; {why})")
                     announced = True
-                if job.priority == "critical" and self.critical_preempts_batch:
-                    preempted |= self._preempt_batch(job, preempted, log)
                 time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         finally:
             self.pool.withdraw(job.name)
+        held = self.pool.holdings().get(job.name, {})
+        return max(0.0, time.time() - float(held.get("queued_since") or since))
 
     def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
         """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
@@ -486,6 +489,8 @@ class LocalGangBackend:
         *,
         admission_timeout_s: float,
         log: Callable[[str], None] | Any = print,
+        queued_since: float | None = None,
+        on_admitted: Callable[[float], None] | None = None,
     ) -> GangResult:
         """Admit, launch and supervise the gang; returns when every worker exited 0.
 
@@ -504,9 +509,11 @@ class LocalGangBackend:
             raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
         if hasattr(log, "info"):  # a logging/structlog logger, e.g. an operator's self.log
             log = log.info
-        self._admit(job, admission_timeout_s, log)
+        queued_s = self._admit(job, admission_timeout_s, log, queued_since)
         procs: list[subprocess.Popen] = []
         try:
+            if on_admitted is not None:
+                on_admitted(queued_s)
             self._stop_leftovers(job.name, log)
             # A stop asked for an earlier launch; this one was started after it (a cleared task).
             self._stop_path(job.name).unlink(missing_ok=True)
@@ -600,7 +607,8 @@ class LocalGangBackend:
                     log_tail=tail,
                 )
             log(f"gang {job.name}: all {job.workers} workers finished in {seconds:.1f}s")
-            return GangResult(exit_codes=codes, seconds=seconds, log_paths=log_paths, job_dir=run_dir)
+            return GangResult(exit_codes=codes, seconds=seconds, log_paths=log_paths, job_dir=run_dir,
+                              queued_s=queued_s)
         finally:
             self._terminate(procs)
             self._record_path(job.name).unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hybridflow.budgets.config import load_budgets, period_of
 from hybridflow.budgets.store import BudgetStore
-from hybridflow.config import Cluster, Estate
+from hybridflow.config import Estate
 from hybridflow.errors import AdmissionError
 from hybridflow.ledger.engine import LEDGER_URL_ENV, ledger_url  # noqa: F401 (decided in one place)
 
@@ -71,45 +71,28 @@ def stop_interruptible_gangs(project: str, reason: str, estate: Estate, state_di
     """Stop the project's running interruptible, non-critical gangs on every cluster: each commits a
     final checkpoint and exits, and its train task fails with ``reason`` (no relaunch).
 
-    Local gangs get SIGTERM and are named as they are; Kubernetes gang jobs are annotated, then
-    deleted with their pods, and named ``<cluster>/<job>``. A Kubernetes cluster that cannot be
-    reached is logged and skipped (the next evaluation tries again): the freeze is recorded already
-    and the other clusters are still handled."""
-    from hybridflow.backends.local import LocalGangBackend
+    Every backend chooses them by the gangs' labels (on Kubernetes the API server does, from the
+    manifests' labels) and stops them its own way: local gangs get SIGTERM, Kubernetes gang jobs are
+    annotated, then deleted with their pods. Local gangs are named as they are, others
+    ``<cluster>/<job>``. A cluster that cannot be reached is logged and skipped (the next evaluation
+    tries again): the freeze is recorded already and the other clusters are still handled."""
+    from hybridflow.backends import gang_backend
 
-    grace = estate.pipeline.training.preemption_grace_s
-    stopped = []
-    for cluster in estate.clusters.values():
-        if cluster.backend == "kubernetes":
-            stopped += _stop_kubernetes_gangs(cluster, project, reason)
-            continue
-        if cluster.backend != "local":
-            continue
-        backend = LocalGangBackend(state_dir, cluster.name, cluster.total_gpus, grace_s=grace)
-        for gang in backend.running_gangs():
-            labels = gang["labels"]
-            if (labels.get("project") == project and labels.get("interruptible") == "true"
-                    and labels.get("priority") != "critical" and backend.stop(gang["name"], reason)):
-                stopped.append(gang["name"])
-    return stopped
-
-
-def _stop_kubernetes_gangs(cluster: Cluster, project: str, reason: str) -> list[str]:
-    from hybridflow.backends.k8s.backend import KubernetesGangBackend
-
-    # The same choice as for local gangs, made by the API server from the manifests' labels.
-    selector = (f"hybridflow.io/project={project},hybridflow.io/interruptible=true,"
-                "hybridflow.io/priority!=critical")
     stopped: list[str] = []
-    try:
-        backend = KubernetesGangBackend(cluster, image="")  # listing and deleting need no image
-        for name in backend.list_gangs(selector):
-            if backend.stop(name, reason):
-                stopped.append(f"{cluster.name}/{name}")
-    except Exception as exc:  # unreachable API, expired credentials, ...: one cluster must not stop the rest
-        log.warning("budget freeze of %s: could not stop its gangs on kubernetes cluster %s (%s: %s)%s; "
-                    "the next budget evaluation tries again", project, cluster.name, type(exc).__name__, exc,
-                    f", stopped so far: {', '.join(stopped)}" if stopped else "")
-    for name in stopped:
-        log.info("budget freeze of %s: stopped gang %s", project, name)
+    for cluster in estate.clusters.values():
+        done: list[str] = []
+        try:
+            backend = gang_backend(cluster, estate, state_dir)
+            prefix = "" if backend.supervised_by_task else f"{cluster.name}/"
+            for name in backend.find_gangs({"project": project, "interruptible": "true"},
+                                           not_labels={"priority": "critical"}):
+                if backend.stop(name, reason):
+                    done.append(prefix + name)
+        except Exception as exc:  # unreachable API, expired credentials, ...: one cluster must not stop the rest
+            log.warning("budget freeze of %s: could not stop its gangs on cluster %s (%s: %s)%s; the next budget "
+                        "evaluation tries again", project, cluster.name, type(exc).__name__, exc,
+                        f", stopped so far: {', '.join(done)}" if done else "")
+        for name in done:
+            log.info("budget freeze of %s: stopped gang %s", project, name)
+        stopped += done
     return stopped

@@ -1,12 +1,12 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
-allocations). Budget state lives in the same database, in tables defined by hybridflow.budgets.store
-and created by migration 0002."""
+allocations), how long gangs waited for admission (queue_waits). Budget state lives in the same
+database, in tables defined by hybridflow.budgets.store and created by migration 0002."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, DateTime, Float, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import Boolean, DateTime, Float, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -140,3 +140,28 @@ class IdleAllocation(Base):
     cluster: Mapped[str] = mapped_column(String(128))
     gpu_hours: Mapped[float] = mapped_column(Float)
     cost_usd: Mapped[float] = mapped_column(Float)
+
+
+class QueueWaitRow(Base):
+    """One wait of a gang for admission on one cluster (hybridflow.ledger.queue_waits); times are naive UTC.
+
+    A try that fails over waits on each cluster it tries, hence the cluster in the unique key.
+    """
+
+    __tablename__ = "queue_waits"
+    __table_args__ = (
+        UniqueConstraint("run_key", "attempt", "cluster", name="uq_queue_waits_key"),
+        # The history placement reads: one cluster's waits of the last days.
+        Index("ix_queue_waits_cluster_queued_at", "cluster", "queued_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_key: Mapped[str] = mapped_column(String(255))
+    attempt: Mapped[str] = mapped_column(String(255))  # the try's label, e.g. "try-1"
+    cluster: Mapped[str] = mapped_column(String(128))
+    gpus: Mapped[int] = mapped_column(Integer)  # gang size
+    priority: Mapped[str] = mapped_column(String(32))
+    queued_at: Mapped[datetime] = mapped_column(DateTime)
+    admitted_at: Mapped[datetime | None] = mapped_column(DateTime)
+    wait_s: Mapped[float | None] = mapped_column(Float)  # admitted_at - queued_at; None while not admitted
+    outcome: Mapped[str] = mapped_column(String(32))  # admitted, moved, gave_up, waiting

@@ -62,56 +62,143 @@ class GangTrainOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict, placement: dict, staged: dict, attempt: dict,
                          started: float) -> dict:
-        """Back from the triggerer: the Kubernetes gang finished, failed, or was not admitted in time."""
-        from hybridflow.backends.local import GangNotAdmitted
+        """Back from the triggerer: the Kubernetes gang finished or failed, another cluster would
+        admit it now, or it waited ``training.max_queue_wait_s``."""
+        from hybridflow.backends import gang_backend
+        from hybridflow.backends.errors import GangNotAdmitted
         from hybridflow.config import load_estate
         from hybridflow.settings import get_settings
 
         settings = get_settings()
         estate = load_estate(settings.config_dir)
         job = self._job(context, settings, estate, placement, staged)
-        backend = self._kubernetes_backend(job.cluster, estate)
+        backend = gang_backend(job.cluster, estate, settings.state_dir)
         self._job_name, self._backend = event.get("name"), backend
+        queued_since = float(event.get("queued_since") or started)
+        if event.get("admitted_at"):
+            self._admitted_after(job, attempt["attempt"], float(event["admitted_at"]) - queued_since, settings)
+        if event.get("status") == "expired":
+            self._end_attempt(job, attempt, "not_admitted")
+            backend.cancel(self._job_name)  # nothing of this run keeps queueing after it gave up
+            self._fail_if_expired(job.cluster.name, queued_since, estate.pipeline.training.max_queue_wait_s,
+                                  event.get("message", ""))
         try:
             status = backend.on_event(event)
         except GangNotAdmitted as exc:
             self._end_attempt(job, attempt, "not_admitted")
-            placement, staged = self._fail_over(exc, placement, estate, settings)
-            return self._train_with_failover(context, settings, estate, placement, staged)
+            placement, staged = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
+            return self._train_with_failover(context, settings, estate, placement, staged, queued_since)
         except BaseException as exc:
             self._end_attempt_on_error(job, attempt, exc, estate)
         attempts = self._end_attempt(job, attempt, "succeeded")
         backend.delete_secret(self._job_name)
         return self._bring_home(job, attempts, status.retries, started)
 
-    def _train_with_failover(self, context, settings, estate, placement: dict, staged: dict) -> dict:
-        from hybridflow.backends.local import GangNotAdmitted
+    def _train_with_failover(self, context, settings, estate, placement: dict, staged: dict,
+                             queued_since: float | None = None) -> dict:
+        from hybridflow.backends.errors import GangNotAdmitted
 
         while True:
             try:
-                return self._train_on(context, settings, estate, placement, staged)
+                return self._train_on(context, settings, estate, placement, staged, queued_since)
             except GangNotAdmitted as exc:
-                placement, staged = self._fail_over(exc, placement, estate, settings)
+                queued_since = queued_since or exc.queued_since or time.time()
+                placement, staged = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
 
-    def _fail_over(self, exc, placement: dict, estate, settings) -> tuple[dict, dict]:
-        """Nothing started on ``placement``'s cluster: place the run on the next eligible candidate
-        (recorded in placement.json); with none left, GangError fails this try and Airflow retries it."""
+    def _after_wait(self, context, exc, placement: dict, staged: dict, estate, settings,
+                    queued_since: float) -> tuple[dict, dict]:
+        """The gang waited a full admission window: move it to an eligible cluster that would admit
+        it now, else keep its place in the queue (deferred: no worker slot held), until
+        ``training.max_queue_wait_s`` runs out."""
         from hybridflow.pipeline import fail_over
 
-        if self._killed or exc.over_team_cap:
-            raise exc  # the team's cap holds on every cluster: wait for the task's retry instead
-        timeout = estate.pipeline.training.gang_admission_timeout_s
-        self.log.warning("%s; failing over to the next placement candidate", exc)
-        placement, staged = fail_over(
-            self.run, placement, exc.cluster, f"gang not admitted within {timeout:g} s", settings
+        if self._killed:
+            raise exc
+        cfg = estate.pipeline.training
+        self._fail_if_expired(exc.cluster, queued_since, cfg.max_queue_wait_s, str(exc))
+        self.log.warning("%s", exc)
+        if not exc.over_team_cap:  # a team's cap spans the estate: another cluster would not help
+            moved = fail_over(self.run, placement, exc.cluster,
+                              f"gang not admitted within {cfg.gang_admission_timeout_s:g} s", settings)
+            if moved is not None:
+                self._leave_queue(exc.cluster, estate, settings)
+                self.log.warning("Moved to cluster %s, which would admit the gang now", moved[0]["cluster"])
+                return moved
+        return self._wait_in_queue(context, exc, placement, staged, estate, settings, queued_since)
+
+    def _fail_if_expired(self, cluster: str, queued_since: float, max_wait_s: float, standing: str) -> None:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        waited = time.time() - queued_since
+        if waited >= max_wait_s:
+            raise AirflowFailException(
+                f"gang {self._job_name} waited {waited:.0f} s for admission, training.max_queue_wait_s is "
+                f"{max_wait_s:g} (config/pipeline.yaml); last seen: {standing}. Raise the limit, ask for fewer "
+                "workers, or trigger the run again when the cluster is less busy"
+            )
+
+    def _leave_queue(self, cluster: str, estate, settings) -> None:
+        """Nothing of this run keeps queueing on a cluster it moved away from."""
+        from hybridflow.backends import gang_backend
+
+        if self._job_name:
+            gang_backend(estate.clusters[cluster], estate, settings.state_dir).cancel(self._job_name)
+
+    def _wait_in_queue(self, context, exc, placement: dict, staged: dict, estate, settings,
+                       queued_since: float) -> tuple[dict, dict]:
+        """Keep the gang's place: in the triggerer (local slot queue, or a team over its cap before a
+        Kubernetes gang is submitted); a blocking Kubernetes wait simply waits another window."""
+        from hybridflow.admission import AdmittedRun
+        from hybridflow.backends import gang_backend
+        from hybridflow.queueing import QueueWaitTrigger
+
+        cfg = estate.pipeline.training
+        local = gang_backend(estate.clusters[exc.cluster], estate, settings.state_dir).supervised_by_task
+        if not local and not exc.over_team_cap:
+            return placement, staged  # blocking Kubernetes: the job keeps its place, wait another window
+        req = AdmittedRun.from_xcom(dict(self.run))
+        team_cap = None if req.priority == "critical" else estate.teams[req.team].gpu_cap
+        self.defer(
+            trigger=QueueWaitTrigger(
+                kind="slots" if local else "team_cap", cluster=exc.cluster,
+                job={"name": self._job_name, "workers": req.workers, "priority": req.priority, "team": req.team,
+                     "team_cap": team_cap},
+                run=dict(self.run), placement=dict(placement), queued_since=queued_since,
+                max_wait_s=cfg.max_queue_wait_s, recheck_s=cfg.gang_admission_timeout_s, poll_s=cfg.queue_poll_s),
+            method_name="resume_after_wait",
+            kwargs={"placement": placement, "staged": staged, "queued_since": queued_since},
         )
-        self.log.warning("Failed over to cluster %s", placement["cluster"])
-        return placement, staged
+        raise AssertionError("defer() raises")  # pragma: no cover
+
+    def resume_after_wait(self, context, event: dict, placement: dict, staged: dict, queued_since: float) -> dict:
+        """Back from :class:`~hybridflow.queueing.QueueWaitTrigger`: admitted (launch on the slots it
+        took), another cluster has room (move there), or the wait ran out."""
+        from hybridflow.backends.errors import GangNotAdmitted
+        from hybridflow.config import load_estate
+        from hybridflow.errors import GangError
+        from hybridflow.settings import get_settings
+
+        settings = get_settings()
+        estate = load_estate(settings.config_dir)
+        status, cluster = event.get("status"), event.get("cluster") or placement["cluster"]
+        self._job_name = f"train-{self.run['run_key']}"
+        if status == "error":
+            raise GangError(f"{event.get('message')}; clear the train task to wait again")
+        if status == "expired":
+            self._fail_if_expired(cluster, queued_since, estate.pipeline.training.max_queue_wait_s,
+                                  event.get("message", ""))
+        if status == "room_elsewhere":
+            moved_or_stay = self._after_wait(
+                context, GangNotAdmitted(event.get("message", ""), cluster=cluster, queued_since=queued_since),
+                placement, staged, estate, settings, queued_since)
+            placement, staged = moved_or_stay
+        return self._train_with_failover(context, settings, estate, placement, staged, queued_since)
 
     def _job(self, context, settings, estate, placement: dict, staged: dict) -> _TrainJob:
         """What every gang of this run on ``placement``'s cluster is given, whatever its backend."""
         from hybridflow import rundata
         from hybridflow.admission import AdmittedRun
+        from hybridflow.backends import gang_backend
         from hybridflow.pipeline import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
 
         admitted = AdmittedRun.from_xcom(dict(self.run))
@@ -155,36 +242,31 @@ class GangTrainOperator(BaseOperator):
             labels={"project": req.project, "team": admitted.team, "priority": req.priority,
                     "interruptible": str(req.interruptible).lower()},
             log=self.log,
+            task_reads_local=gang_backend(cluster, estate, settings.state_dir).reads_private_storage,
         )
 
-    def _train_on(self, context, settings, estate, placement: dict, staged: dict) -> dict:
+    def _train_on(self, context, settings, estate, placement: dict, staged: dict,
+                  queued_since: float | None = None) -> dict:
         """Train on ``placement``'s cluster; GangNotAdmitted if its gang is not admitted in time."""
-        job = self._job(context, settings, estate, placement, staged)
-        if job.cluster.backend == "kubernetes":
-            return self._train_on_kubernetes(job, estate)
-        return self._train_on_local(job, settings, estate)
+        from hybridflow.backends import gang_backend
 
-    def _train_on_local(self, job: _TrainJob, settings, estate) -> dict:
+        job = self._job(context, settings, estate, placement, staged)
+        if gang_backend(job.cluster, estate, settings.state_dir).supervised_by_task:
+            return self._train_on_local(job, settings, estate, queued_since)
+        return self._train_on_kubernetes(job, estate, settings, queued_since)
+
+    def _train_on_local(self, job: _TrainJob, settings, estate, queued_since: float | None = None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from hybridflow.backends.local import (
-            GangJob,
-            GangNotAdmitted,
-            GangPreempted,
-            GangStopped,
-            LocalGangBackend,
-        )
+        from hybridflow.backends import gang_backend
+        from hybridflow.backends.base import GangJob
+        from hybridflow.backends.errors import GangNotAdmitted, GangPreempted, GangStopped
 
         req = job.admitted.request
-        cluster = job.cluster
         training_cfg = estate.pipeline.training
         self._job_name = f"train-{job.run_key}"
         # The launcher's SIGTERM -> SIGKILL grace is the workers' time to commit a final checkpoint.
-        admission_cfg = estate.pipeline.admission
-        self._backend = LocalGangBackend(
-            settings.state_dir, cluster.name, cluster.total_gpus, grace_s=training_cfg.preemption_grace_s,
-            critical_preempts_batch=admission_cfg.critical_preempts_batch,
-        )
+        self._backend = gang_backend(job.cluster, estate, settings.state_dir)
         # Critical runs are never held by the team's cap (they may preempt batch work instead).
         team_cap = None if req.priority == "critical" else estate.teams[job.admitted.team].gpu_cap
         budget = training_cfg.preemption_retries
@@ -199,11 +281,13 @@ class GangTrainOperator(BaseOperator):
                     GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label},
                             env=job.env, attempt=label, labels=dict(job.labels), team_cap=team_cap),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
-                    log=self.log,
+                    log=self.log, queued_since=queued_since,
+                    on_admitted=lambda waited, label=label: self._admitted_after(job, label, waited, settings),
                 )
+                queued_since = None  # a relaunch after a preemption queues afresh
                 outcome = "succeeded"
             except GangNotAdmitted:
-                outcome = "not_admitted"  # nothing ran; execute fails over to the next candidate
+                outcome = "not_admitted"  # nothing ran; the task moves the run or keeps it waiting
                 raise
             except GangStopped as exc:
                 # Stopped on purpose (budget freeze): checkpointed, and neither relaunched nor retried.
@@ -244,25 +328,19 @@ class GangTrainOperator(BaseOperator):
             )
         return self._bring_home(job, attempts, preemptions, started)
 
-    def _kubernetes_backend(self, cluster, estate):
-        from hybridflow.backends.k8s.backend import KubernetesGangBackend
-
-        # The scheduler restarts an evicted gang itself (resuming from its checkpoint) this many times.
-        training = estate.pipeline.training
-        return KubernetesGangBackend(cluster, image=cluster.image, max_retry=training.preemption_retries,
-                                     grace_s=training.preemption_grace_s)
-
-    def _train_on_kubernetes(self, job: _TrainJob, estate) -> dict:
+    def _train_on_kubernetes(self, job: _TrainJob, estate, settings, queued_since: float | None = None) -> dict:
         """Submit the gang (or re-attach to the one this run already has there) and wait for it, in
         the triggerer when ``training.kubernetes_deferrable`` (no worker slot held for hours)."""
+        from hybridflow.backends import gang_backend
+        from hybridflow.backends.base import GangJob
+        from hybridflow.backends.errors import GangNotAdmitted
         from hybridflow.backends.k8s.backend import MISSING, PENDING
         from hybridflow.backends.k8s.manifests import gang_job_name
         from hybridflow.backends.k8s.trigger import GangJobTrigger
-        from hybridflow.backends.local import GangJob, GangNotAdmitted
 
         req = job.admitted.request
         cfg = estate.pipeline.training
-        backend = self._kubernetes_backend(job.cluster, estate)
+        backend = gang_backend(job.cluster, estate, settings.state_dir)
         identity = job.identity
         # Deterministic per run, task and cluster: a retry or a cleared task finds its job again.
         self._job_name = gang_job_name(identity.dag_id, identity.run_id, self.task_id, job.cluster.name,
@@ -273,6 +351,7 @@ class GangTrainOperator(BaseOperator):
                        attempt=label, labels=dict(job.labels))
         queue = estate.queue_of(job.admitted.team)
         pool = job.placement["node_pool"]
+        self._hold_for_team_cap(job, backend, estate, settings, queued_since)
         started = time.time()
         attempt = self._begin_attempt(job, label)
         if cfg.kubernetes_deferrable:
@@ -287,7 +366,8 @@ class GangTrainOperator(BaseOperator):
                     conn_id=job.cluster.conn_id, scheduler=job.cluster.scheduler, namespace=backend.namespace,
                     name=sub.name, cluster=job.cluster.name, submitted_at=started,
                     admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
-                    admitted=sub.status.phase not in (PENDING, MISSING),
+                    admitted=sub.status.phase not in (PENDING, MISSING), queued_since=queued_since or started,
+                    max_wait_s=cfg.max_queue_wait_s, run=dict(self.run), placement=dict(job.placement),
                 ),
                 method_name="execute_complete",
                 kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
@@ -296,14 +376,54 @@ class GangTrainOperator(BaseOperator):
         try:
             status = backend.run(gang, pool=pool, queue=queue, admission_timeout_s=cfg.gang_admission_timeout_s,
                                  poll_s=cfg.kubernetes_poll_s, log=self.log)
-        except GangNotAdmitted:
+        except GangNotAdmitted as exc:
             self._end_attempt(job, attempt, "not_admitted")
+            exc.queued_since = queued_since or started
             raise
         except BaseException as exc:
             self._end_attempt_on_error(job, attempt, exc, estate)
         attempts = self._end_attempt(job, attempt, "succeeded")
         backend.delete_secret(self._job_name)  # the store credentials do not outlive the gang
         return self._bring_home(job, attempts, status.retries, started)
+
+    def _hold_for_team_cap(self, job: _TrainJob, backend, estate, settings, queued_since: float | None) -> None:
+        """A team's gpu_cap spans the estate, and a Kubernetes scheduler knows only its own cluster:
+        a gang that would take its team past the cap is not submitted yet (GangNotAdmitted with
+        over_team_cap: the task waits for the team's GPUs in the triggerer). A job this run already
+        has there is re-attached, never held."""
+        from hybridflow.backends import estate_load, team_usage
+        from hybridflow.backends.errors import GangNotAdmitted
+        from hybridflow.backends.k8s.backend import MISSING
+
+        req = job.admitted.request
+        cap = estate.teams[job.admitted.team].gpu_cap
+        if cap is None or req.priority == "critical" or backend.status(self._job_name).phase != MISSING:
+            return
+        held = team_usage(estate_load(estate, settings.state_dir)).get(job.admitted.team, 0)
+        if held + req.workers > cap:
+            raise GangNotAdmitted(
+                f"gang {self._job_name} not submitted to {job.cluster.name}: team {job.admitted.team} holds {held} of "
+                f"its gpu_cap of {cap} GPUs and the gang needs {req.workers}; it waits for the team's runs to finish "
+                f"(or raise teams.{job.admitted.team}.gpu_cap in projects.yaml)",
+                cluster=job.cluster.name, over_team_cap=True, queued_since=queued_since or time.time())
+
+    def _admitted_after(self, job: _TrainJob, label: str, waited_s: float, settings) -> None:
+        """The gang was admitted after ``waited_s`` in the queue: for the run's page and the ledger's
+        history of queue waits (which deadline placement estimates from). Best effort."""
+        from hybridflow.queueing import note_standing
+
+        now = time.time()
+        try:
+            note_standing(settings.private_root, job.run_key, cluster=job.cluster.name, state="admitted",
+                          queued_since=now - waited_s)
+            from hybridflow.ledger.queue_waits import record_queue_wait
+
+            record_queue_wait(job.run_key, label, job.cluster.name, job.admitted.workers, job.admitted.priority,
+                              datetime.fromtimestamp(now - waited_s, UTC), datetime.fromtimestamp(now, UTC),
+                              "admitted")
+        except Exception as exc:  # noqa: BLE001 - the history is a help, never a reason to stop training
+            self.log.warning("could not record the queue wait of %s (%s)", job.run_key, exc)
+        self.log.info("gang %s admitted on %s after %.1f s in the queue", self._job_name, job.cluster.name, waited_s)
 
     def _end_attempt_on_error(self, job: _TrainJob, attempt: dict, exc: BaseException, estate) -> NoReturn:
         """Record how a Kubernetes gang ended badly and raise: a gang stopped by a budget freeze
@@ -407,6 +527,7 @@ class _TrainJob:
     attempts_path: Path
     labels: dict
     log: Any
+    task_reads_local: bool = True  # the backend's gangs write local places the task can read too
 
     def places(self) -> list:
         """The checkpoint places this task can read: a Kubernetes cluster's scratch volume is only
@@ -414,7 +535,7 @@ class _TrainJob:
         from hybridflow.storage.objectstore import open_store
 
         specs = [self.ckpt_spec, self.replica_spec]
-        if self.cluster.backend == "kubernetes":
+        if not self.task_reads_local:
             specs = [s for s in specs if s.kind != "local"]
         return [open_store(s) for s in specs]
 

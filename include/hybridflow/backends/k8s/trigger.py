@@ -1,15 +1,20 @@
-"""Deferrable wait for a gang job: polls its status until it ends or is not admitted in time.
+"""Deferrable wait for a gang job: polls its status until it ends, or moves or gives up waiting.
 
-Side-effect free (it never deletes or restarts: the operator decides in ``execute_complete``),
-and every outcome, errors included, becomes one event with a ``status``:
+Side-effect free towards the cluster (it never deletes or restarts: the operator decides in
+``execute_complete``), and every outcome, errors included, becomes one event with a ``status``:
 
 - ``success``: the gang finished;
 - ``failed``: it failed for good (restarts exhausted, or the job vanished);
-- ``not_admitted``: still waiting for gang admission ``admission_timeout_s`` after submission;
+- ``not_admitted``: still waiting for gang admission, and another eligible cluster would admit it
+  now (looked for every ``admission_timeout_s``); without ``run`` and ``placement`` (nothing to
+  look with) this fires once ``admission_timeout_s`` has passed;
+- ``expired``: still waiting ``max_wait_s`` after it first queued (``queued_since``);
 - ``error``: the API could not be read (the message says why).
 
-The event's ``gang`` holds the last :class:`~hybridflow.backends.k8s.backend.GangStatus` as a dict
-and ``admitted`` whether the gang ever started, for ``KubernetesGangBackend.outcome``.
+While the gang waits, its position in the cluster's queue, the GPUs ahead of it and an estimated
+start go to the triggerer's log and to the run's queue.json (:mod:`hybridflow.queueing`).
+The event's ``gang`` holds the last :class:`~hybridflow.backends.k8s.backend.GangStatus` as a dict,
+``admitted`` whether the gang ever started and ``admitted_at`` (epoch) when it was first seen so.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from hybridflow.backends.k8s.backend import FAILED, MISSING, PENDING, SUCCEEDED,
 class GangJobTrigger(BaseTrigger):
     def __init__(self, *, conn_id: str, scheduler: str, namespace: str, name: str, cluster: str,
                  submitted_at: float, admission_timeout_s: float, poll_interval: float = 15.0,
-                 admitted: bool = False) -> None:
+                 admitted: bool = False, queued_since: float | None = None, max_wait_s: float | None = None,
+                 run: dict | None = None, placement: dict | None = None, admitted_at: float | None = None) -> None:
         super().__init__()
         self.conn_id = conn_id
         self.scheduler = scheduler
@@ -38,6 +44,11 @@ class GangJobTrigger(BaseTrigger):
         self.admission_timeout_s = admission_timeout_s
         self.poll_interval = poll_interval
         self.admitted = admitted
+        self.queued_since = queued_since or submitted_at
+        self.max_wait_s = max_wait_s
+        self.run_info = run
+        self.placement = placement
+        self.admitted_at = admitted_at
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -45,34 +56,82 @@ class GangJobTrigger(BaseTrigger):
             {"conn_id": self.conn_id, "scheduler": self.scheduler, "namespace": self.namespace, "name": self.name,
              "cluster": self.cluster, "submitted_at": self.submitted_at,
              "admission_timeout_s": self.admission_timeout_s, "poll_interval": self.poll_interval,
-             "admitted": self.admitted},
+             "admitted": self.admitted, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
+             "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at},
         )
 
     def _event(self, status: str, message: str, gang: dict | None = None) -> TriggerEvent:
         return TriggerEvent({"status": status, "name": self.name, "namespace": self.namespace, "cluster": self.cluster,
-                             "message": message, "gang": gang, "admitted": self.admitted})
+                             "message": message, "gang": gang, "admitted": self.admitted,
+                             "admitted_at": self.admitted_at, "queued_since": self.queued_since})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # The provider's sync hook in a thread: the same client calls as the backend's, off the event loop.
         hook = make_hook(self.conn_id)
+        window_end = self.submitted_at + self.admission_timeout_s
+        last_note = None
         while True:
             try:
                 gang = await asyncio.to_thread(read_status, hook, self.scheduler, self.namespace, self.name)
             except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
                 yield self._event("error", f"could not read gang {self.namespace}/{self.name}: {exc}")
                 return
-            if gang.phase != PENDING:
-                self.admitted = True
+            if gang.phase != PENDING and not self.admitted:
+                self.admitted, self.admitted_at = True, time.time()
             if gang.phase == SUCCEEDED:
                 yield self._event("success", f"gang {self.name} succeeded", gang.to_dict())
                 return
             if gang.phase in (FAILED, MISSING):
                 yield self._event("failed", f"gang {self.name}: {gang.message or gang.phase}", gang.to_dict())
                 return
-            if gang.phase == PENDING and not self.admitted and \
-                    time.time() - self.submitted_at >= self.admission_timeout_s:
-                yield self._event("not_admitted", f"gang {self.name} was not admitted within "
-                                  f"{self.admission_timeout_s:.0f} s", gang.to_dict())
-                return
-            self.log.info("gang %s: %s %s", self.name, gang.phase, gang.message)
+            if gang.phase == PENDING and not self.admitted:
+                now = time.time()
+                if self.max_wait_s is not None and now - self.queued_since >= self.max_wait_s:
+                    yield self._event("expired", f"gang {self.name} waited {now - self.queued_since:.0f} s for "
+                                      "admission", gang.to_dict())
+                    return
+                if now >= window_end:
+                    window_end = now + self.admission_timeout_s
+                    other = await asyncio.to_thread(self._room_elsewhere)
+                    if other is not False:
+                        yield self._event("not_admitted", f"gang {self.name} was not admitted within "
+                                          f"{self.admission_timeout_s:.0f} s" + (f"; {other} would admit it now"
+                                                                                 if other else ""), gang.to_dict())
+                        return
+                note = await asyncio.to_thread(self._note)
+                if note and note != last_note:
+                    self.log.info("gang %s %s", self.name, note)
+                    last_note = note
+            else:
+                self.log.info("gang %s: %s %s", self.name, gang.phase, gang.message)
             await asyncio.sleep(self.poll_interval)
+
+    def _room_elsewhere(self) -> str | None | bool:
+        """Another eligible cluster with room now (its name), or False: keep waiting here. Without the
+        run to place, None: the operator decides (the earlier behaviour)."""
+        if not self.run_info or self.placement is None:
+            return None
+        from hybridflow.queueing import room_elsewhere
+
+        return room_elsewhere(self.run_info, self.placement, self.cluster) or False
+
+    def _note(self) -> str | None:
+        """Where the gang stands, for the log and the run's page; None if it cannot be told."""
+        if not self.run_info:
+            return None
+        from hybridflow.backends import gang_backend
+        from hybridflow.config import load_estate
+        from hybridflow.queueing import describe, estimate_for, note_standing
+        from hybridflow.settings import get_settings
+
+        try:
+            settings = get_settings()
+            estate = load_estate(settings.config_dir)
+            backend = gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
+            load = backend.load()
+            note = note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster,
+                                 state="waiting", queued_since=self.queued_since, standing=backend.standing(self.name),
+                                 estimate=estimate_for(estate, self.cluster, int(self.run_info.get("workers", 1)), load))
+        except Exception as exc:  # noqa: BLE001 - the standing is a help, never a reason to stop waiting
+            return f"standing unknown ({exc})"
+        return describe(note)

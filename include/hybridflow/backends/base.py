@@ -1,0 +1,163 @@
+"""The contract every cluster backend keeps, and what placement reads from a cluster.
+
+A :class:`GangBackend` runs gang jobs on one cluster of the estate (``backend`` in clusters.yaml):
+submit or re-attach and wait (:meth:`GangBackend.run`), :meth:`~GangBackend.cancel` (the task was
+stopped), :meth:`~GangBackend.stop` (stopped for good, e.g. a budget freeze), and
+:meth:`~GangBackend.load`: GPUs in use, GPUs queued and GPUs held per team, as the cluster itself
+reports them. :func:`hybridflow.backends.gang_backend` is the one place that picks the
+implementation for a cluster.
+
+:class:`ClusterLoad` is what placement, the spill threshold and the team caps work from; a cluster
+whose load cannot be read is ``reachable=False`` with the reason, and placement never chooses it.
+:class:`QueueStanding` is where one waiting gang stands in its cluster's queue.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GangJob:
+    name: str  # deterministic per run (e.g. "<dag>-<run>-train") so a retry finds its own slots
+    workers: int
+    spec: dict  # written to job.json for the workers; must not hold credentials
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # extra env, incl. store credentials
+    attempt: str = "1"
+    # Who the gang works for (project, team, priority, interruptible), kept with the running gang so a
+    # budget freeze can find a project's gangs and admission can order, cap and preempt by them.
+    labels: dict[str, str] = field(default_factory=dict)
+    # The team's gpu_cap over every local cluster (None: no cap, e.g. critical runs).
+    team_cap: int | None = None
+
+    @property
+    def priority(self) -> str:
+        return self.labels.get("priority", "normal")
+
+    @property
+    def team(self) -> str | None:
+        return self.labels.get("team")
+
+
+@dataclass(frozen=True)
+class ClusterLoad:
+    """One reading of a cluster: GPUs held by admitted gangs (``used``), GPUs asked for by gangs
+    waiting for admission (``queued``), GPUs each team holds (``teams``) and, per waiting gang in
+    admission order, ``(name, gpus, priority, team)`` (``waiting``). ``reachable`` False: the
+    numbers are unknown (zeros), ``reason`` says why."""
+
+    cluster: str
+    capacity: int
+    used: int = 0
+    queued: int = 0
+    teams: Mapping[str, int] = field(default_factory=dict)
+    waiting: tuple[tuple[str, int, str, str | None], ...] = ()
+    reachable: bool = True
+    reason: str = ""
+    # Kubernetes: the team queues that exist on the cluster (Volcano Queues, Kueue LocalQueues of the
+    # namespace); None where queues are not named (the local backend) or could not be read.
+    queues: frozenset[str] | None = None
+
+    @property
+    def free(self) -> int:
+        return max(self.capacity - self.used, 0)
+
+    def has_room(self, gpus: int) -> bool:
+        """A gang of ``gpus`` would be admitted now: free GPUs and nobody queued ahead of it."""
+        return self.reachable and self.queued == 0 and self.free >= gpus
+
+    @classmethod
+    def unknown(cls, cluster: str, capacity: int, reason: str) -> ClusterLoad:
+        return cls(cluster=cluster, capacity=capacity, reachable=False, reason=reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["teams"] = dict(self.teams)
+        out["waiting"] = [list(w) for w in self.waiting]
+        out["queues"] = None if self.queues is None else sorted(self.queues)
+        return out
+
+
+@dataclass(frozen=True)
+class QueueStanding:
+    """Where a waiting gang stands: 1-based ``position`` among the gangs waiting on the cluster (0:
+    not waiting), the GPUs of the gangs ahead of it, the cluster's free GPUs and capacity, and
+    ``over_team_cap`` when its team's gpu_cap is what holds it."""
+
+    cluster: str
+    position: int
+    gpus_ahead: int
+    free: int
+    capacity: int
+    over_team_cap: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.over_team_cap:
+            return "held by its team's gpu_cap"
+        if self.position <= 0:
+            return f"not queued; {self.free} of {self.capacity} GPUs free"
+        return (f"position {self.position} in the queue of {self.cluster}, {self.gpus_ahead} GPUs ahead of it, "
+                f"{self.free} of {self.capacity} GPUs free")
+
+
+def standing_in(load: ClusterLoad, name: str) -> QueueStanding:
+    """``name``'s standing from a load reading (0 when it is not among the waiting gangs)."""
+    ahead = 0
+    for position, (other, gpus, _priority, _team) in enumerate(load.waiting, start=1):
+        if other == name:
+            return QueueStanding(load.cluster, position, ahead, load.free, load.capacity)
+        ahead += gpus
+    return QueueStanding(load.cluster, 0, 0, load.free, load.capacity)
+
+
+class GangBackend(ABC):
+    """Gang jobs on one cluster. Waiting and running end in the errors of
+    :mod:`hybridflow.backends.errors`: ``GangNotAdmitted`` when the gang was not admitted in time,
+    ``GangPreempted``, ``GangStopped``, ``GangFailed``."""
+
+    cluster_name: str
+
+    @abstractmethod
+    def load(self) -> ClusterLoad:
+        """GPUs in use, queued, and held per team on the cluster, now (never raises: an unreadable
+        cluster is :meth:`ClusterLoad.unknown`)."""
+
+    def usage(self) -> int:
+        return self.load().used
+
+    def queued(self) -> int:
+        return self.load().queued
+
+    def team_usage(self) -> dict[str, int]:
+        return dict(self.load().teams)
+
+    @abstractmethod
+    def cancel(self, name: str) -> bool:
+        """Stop the gang because its task was stopped (checkpoint first where it can); True if it ran."""
+
+    @abstractmethod
+    def stop(self, name: str, reason: str) -> bool:
+        """Stop the gang for good with ``reason`` (it must not be relaunched); True if it ran."""
+
+    @abstractmethod
+    def find_gangs(self, labels: Mapping[str, str], *, not_labels: Mapping[str, str] | None = None) -> list[str]:
+        """Names (sorted) of the gangs running on the cluster whose labels have every ``labels``
+        value and none of the ``not_labels`` values (label keys without the ``hybridflow.io/`` prefix)."""
+
+    @property
+    def supervised_by_task(self) -> bool:
+        """The gang's processes are launched and supervised by the train task itself (so it cannot
+        wait for them in the triggerer), rather than submitted to a cluster scheduler."""
+        return False
+
+    @property
+    def reads_private_storage(self) -> bool:
+        """Its gangs run on machines that mount private storage: data is read where it lives and a
+        checkpoint place of kind ``local`` is reachable from the task."""
+        return False

@@ -1,0 +1,204 @@
+"""A run waiting for its gang to be admitted: where it stands, what it may do, and the deferrable wait.
+
+When no eligible cluster can take a run now, the run keeps its place in the queue of the cluster
+placement chose, in the triggerer (:class:`QueueWaitTrigger`: no worker slot held), until
+
+- the gang is admitted (``admitted``): on the local backend the trigger takes the slots on the
+  task's behalf for ``LEASE_S``, and the resumed task launches the gang on them;
+- another eligible cluster would admit it now (``room_elsewhere``, looked for every
+  ``training.gang_admission_timeout_s``): the task moves there (:func:`hybridflow.pipeline.fail_over`);
+- it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting.
+
+Its position, the GPUs ahead of it and an estimated start go to the task log and to
+``runs/<key>/queue.json``, which the run's page shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from hybridflow.runs import run_dir, write_json_atomic
+
+QUEUE_FILE = "queue.json"
+LEASE_S = 600.0  # slots taken by the trigger wait this long for the resumed task to launch the gang
+
+
+def _iso(epoch: float | None) -> str | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
+
+
+def note_standing(private_root: Path, run_key: str, *, cluster: str, state: str, queued_since: float,
+                  standing: Any = None, estimate: Any = None) -> dict:
+    """Write where the run's gang stands (``state``: waiting, admitted, moved, expired) for its page."""
+    now = time.time()
+    body: dict[str, Any] = {"cluster": cluster, "state": state, "queued_since": _iso(queued_since),
+                            "waited_s": round(now - queued_since, 1), "updated_at": _iso(now)}
+    if standing is not None:
+        body.update(standing.to_dict())
+    if estimate is not None:
+        body["estimated_start"] = None if estimate.seconds is None else _iso(now + estimate.seconds)
+        body["estimate_basis"] = estimate.basis
+    write_json_atomic(run_dir(private_root, run_key) / QUEUE_FILE, body)
+    return body
+
+
+def read_standing(private_root: Path, run_key: str) -> dict | None:
+    try:
+        return json.loads((run_dir(private_root, run_key) / QUEUE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def describe(note: Mapping[str, Any]) -> str:
+    """One log line from a :func:`note_standing` body."""
+    where = (f"held by its team's gpu_cap on {note['cluster']}" if note.get("over_team_cap") else
+             f"position {note.get('position') or '?'} on {note['cluster']}, {note.get('gpus_ahead', 0)} GPUs ahead, "
+             f"{note.get('free', '?')} of {note.get('capacity', '?')} free")
+    eta = note.get("estimated_start")
+    return (f"waiting {note['waited_s']:.0f} s: {where}; estimated start "
+            f"{eta or 'unknown'} ({note.get('estimate_basis') or 'no estimate'})")
+
+
+def estimate_for(estate: Any, cluster: str, gpus: int, load: Any) -> Any:
+    """The cluster's expected wait for a gang of ``gpus`` (ledger history; unknown without a ledger)."""
+    from hybridflow.waits import estimate_waits
+
+    cfg = estate.pipeline.placement
+    try:
+        from hybridflow.ledger.queue_waits import queue_wait_history
+
+        history = queue_wait_history(days=cfg.wait_history_days, clusters=[cluster])
+    except Exception:  # noqa: BLE001 - the estimate is a help, never a reason to stop waiting
+        history = []
+    return estimate_waits(history, {cluster: load}, gpus, quantile=cfg.wait_quantile, min_samples=cfg.wait_min_samples,
+                          days=cfg.wait_history_days)[cluster]
+
+
+class QueueWaitTrigger(BaseTrigger):
+    """Wait in a cluster's queue for the run's gang (``kind`` ``slots``: the local backend's slot
+    pool; ``team_cap``: the team's GPUs across the estate to come under its gpu_cap before a
+    Kubernetes gang is submitted). Side effects: the gang's ticket in the local queue, the slots it
+    takes when admitted (leased) and the run's queue.json."""
+
+    def __init__(self, *, kind: str, cluster: str, job: dict, run: dict, placement: dict, queued_since: float,
+                 max_wait_s: float, recheck_s: float, poll_s: float) -> None:
+        super().__init__()
+        self.kind = kind
+        self.cluster = cluster
+        self.job = job  # name, workers, priority, team, team_cap
+        self.run_info = run
+        self.placement = placement
+        self.queued_since = queued_since
+        self.max_wait_s = max_wait_s
+        self.recheck_s = recheck_s
+        self.poll_s = poll_s
+        self._estimate: tuple[float, Any] | None = None  # (when, estimate): the ledger is read once a recheck
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"kind": self.kind, "cluster": self.cluster, "job": self.job, "run": self.run_info,
+                 "placement": self.placement, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
+                 "recheck_s": self.recheck_s, "poll_s": self.poll_s})
+
+    def _event(self, status: str, message: str, note: dict | None = None) -> TriggerEvent:
+        return TriggerEvent({"status": status, "cluster": self.cluster, "message": message, "queue": note,
+                             "queued_since": self.queued_since})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        checked = time.time()
+        last = None
+        while True:
+            try:
+                admitted, note = await asyncio.to_thread(self._poll)
+            except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
+                yield self._event("error", f"could not read the queue of {self.cluster}: {exc}")
+                return
+            if admitted:
+                yield self._event("admitted", f"gang {self.job['name']} admitted on {self.cluster}", note)
+                return
+            line = describe(note)
+            if note.get("position") != last:
+                self.log.info("gang %s %s", self.job["name"], line)
+                last = note.get("position")
+            if time.time() - self.queued_since >= self.max_wait_s:
+                await asyncio.to_thread(self._withdraw, "expired")
+                yield self._event("expired", f"gang {self.job['name']} waited {self.max_wait_s:.0f} s: {line}", note)
+                return
+            if self.kind == "slots" and time.time() - checked >= self.recheck_s:
+                checked = time.time()
+                other = await asyncio.to_thread(room_elsewhere, self.run_info, self.placement, self.cluster)
+                if other:
+                    await asyncio.to_thread(self._withdraw, "moved")
+                    yield self._event("room_elsewhere", f"{other} would admit the gang now", note)
+                    return
+            await asyncio.sleep(self.poll_s)
+
+    def _context(self):
+        from hybridflow.backends import gang_backend
+        from hybridflow.config import load_estate
+        from hybridflow.settings import get_settings
+
+        settings = get_settings()
+        estate = load_estate(settings.config_dir)
+        return settings, estate, gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
+
+    def _poll(self) -> tuple[bool, dict]:
+        from hybridflow.backends.base import GangJob, QueueStanding
+
+        settings, estate, backend = self._context()
+        job = GangJob(name=self.job["name"], workers=int(self.job["workers"]), spec={},
+                      labels={"priority": self.job["priority"], "team": self.job.get("team") or ""},
+                      team_cap=self.job.get("team_cap"))
+        if self.kind == "slots":
+            admitted = backend.admit_step(job, since=self.queued_since, lease_s=LEASE_S, pid=os.getpid(),
+                                          preempted=set(), log=self.log.info)
+            standing = backend.standing(job.name)
+            load = backend.load()
+        else:
+            from hybridflow.backends import estate_load, team_usage
+
+            loads = estate_load(estate, settings.state_dir)
+            held = team_usage(loads).get(job.team or "", 0)
+            admitted = job.team_cap is None or held + job.workers <= job.team_cap
+            load = loads[self.cluster]
+            standing = QueueStanding(self.cluster, 0, 0, load.free, load.capacity, over_team_cap=not admitted)
+        if self._estimate is None or time.time() - self._estimate[0] >= self.recheck_s:
+            self._estimate = (time.time(), estimate_for(estate, self.cluster, job.workers, load))
+        note = note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster,
+                             state="admitted" if admitted else "waiting", queued_since=self.queued_since,
+                             standing=standing, estimate=self._estimate[1])
+        return admitted, note
+
+    def _withdraw(self, state: str) -> None:
+        settings, _, backend = self._context()
+        if self.kind == "slots":
+            backend.pool.withdraw(self.job["name"])
+        note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster, state=state,
+                      queued_since=self.queued_since)
+
+
+def room_elsewhere(run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str) -> str | None:
+    """Another eligible cluster that would admit the run's gang now, or None (no side effects)."""
+    from hybridflow.errors import PlacementError
+    from hybridflow.pipeline import _admitted, _estate, cluster_loads
+    from hybridflow.placement import place
+    from hybridflow.settings import get_settings
+
+    settings = get_settings()
+    estate = _estate(settings)
+    excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
+    excluded[cluster] = "waiting there"
+    try:
+        return place(_admitted(run), estate, cluster_loads(estate, settings), exclude=excluded,
+                     require_room=True).cluster
+    except PlacementError:
+        return None
