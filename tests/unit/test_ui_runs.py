@@ -59,6 +59,23 @@ def test_run_page_shows_a_failover(settings, client):
     assert "Failed over from:" in html and "onprem-x: gang not admitted within 120 s" in html
 
 
+def test_run_page_shows_where_a_waiting_gang_stands(settings, client):
+    import time
+
+    from hybridflow.backends.base import QueueStanding
+    from hybridflow.queueing import note_standing
+    from hybridflow.waits import WaitEstimate
+
+    run = pipeline.admit({"classification": "restricted"}, RunIdentity("hybrid_training", RUN_ID), settings)
+    pipeline.choose_cluster(run, settings)
+    note_standing(settings.private_root, run["run_key"], cluster="onprem-a", state="waiting",
+                  queued_since=time.time() - 600, standing=QueueStanding("onprem-a", 2, 4, 0, 4),
+                  estimate=WaitEstimate("onprem-a", 900, "p80 of 7 waits of 1-4 GPU gangs on onprem-a", 7))
+    html = client.get(f"/runs/hybrid_training/{RUN_ID}").text
+    assert "<h2>Queue</h2>" in html and "position 2, 4 GPUs ahead" in html and "0 of 4" in html
+    assert "p80 of 7 waits of 1-4 GPU gangs on onprem-a" in html and ">waiting<" in html
+
+
 def test_run_page_after_the_record_shows_attempts_and_artefacts(settings, client):
     _placed_run(settings, {})
     identity = RunIdentity("hybrid_training", RUN_ID)

@@ -25,6 +25,7 @@ PLACEMENT_FILE = "placement.json"
 ATTEMPTS_FILE = "train-attempts.json"
 EVALUATION_FILE = "evaluation.json"
 STAGING_FILE = "staging.json"
+QUEUE_FILE = "queue.json"  # hybridflow.queueing: where the run's gang stands while it waits
 
 
 def _read_json(path: Path) -> Any:
@@ -48,6 +49,7 @@ def run_view(private_root: Path, dag_id: str, run_id: str) -> dict[str, Any]:
         "folder": str(folder),
         "exists": folder.is_dir() or record is not None,
         "placement": _read_json(folder / PLACEMENT_FILE),
+        "queue": _read_json(folder / QUEUE_FILE),
         "staging": _read_json(folder / STAGING_FILE),
         "attempts": _read_json(folder / ATTEMPTS_FILE) or [],
         "evaluation": _read_json(folder / EVALUATION_FILE),
@@ -118,6 +120,24 @@ def render_placement(placement: dict | None) -> str:
     return head + table
 
 
+def render_queue(queue: dict | None) -> str:
+    """The gang's wait for admission: where it stands now, or how the wait ended."""
+    if not queue:
+        return ""
+    if queue.get("over_team_cap"):
+        where = "held by its team's gpu_cap"
+    elif queue.get("position"):
+        where = f"position {queue['position']}, {queue.get('gpus_ahead', 0)} GPUs ahead"
+    else:
+        where = None
+    rows = [("state", queue.get("state")), ("cluster", queue.get("cluster")), ("queued since", queue.get("queued_since")),
+            ("waited (s)", queue.get("waited_s")), ("in the queue", where),
+            ("free GPUs", f"{queue['free']} of {queue['capacity']}" if "free" in queue else None),
+            ("estimated start", queue.get("estimated_start")), ("estimate from", queue.get("estimate_basis")),
+            ("as of", queue.get("updated_at"))]
+    return "<h2>Queue</h2>" + _kv_table(rows)
+
+
 def render_run(view: dict[str, Any]) -> str:
     title = f"{view['dag_id']} / {view['run_id']}"
     parts = [f"<h1>{escape(title)}</h1>"]
@@ -129,6 +149,7 @@ def render_run(view: dict[str, Any]) -> str:
         return _page(title, "".join(parts))
     rec = view["record"] or {}
     parts.append("<h2>Placement</h2>" + render_placement(view["placement"]))
+    parts.append(render_queue(view.get("queue")))
     staging = view["staging"] or rec.get("staging")
     parts.append("<h2>Staging</h2>")
     if staging:
