@@ -102,6 +102,7 @@ class QueueWaitTrigger(BaseTrigger):
         self.recheck_s = recheck_s
         self.poll_s = poll_s
         self._estimate: tuple[float, Any] | None = None  # (when, estimate): the ledger is read once a recheck
+        self._preempted: set[str] = set()  # batch gangs a critical gang stopped and waits for
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
@@ -160,7 +161,7 @@ class QueueWaitTrigger(BaseTrigger):
                       team_cap=self.job.get("team_cap"))
         if self.kind == "slots":
             admitted = backend.admit_step(job, since=self.queued_since, lease_s=LEASE_S, pid=os.getpid(),
-                                          preempted=set(), log=self.log.info)
+                                          preempted=self._preempted, log=self.log.info)
             standing = backend.standing(job.name)
             load = backend.load()
         else:
