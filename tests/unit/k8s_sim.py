@@ -8,98 +8,40 @@ controller keeps ``parallelism`` pods, recreating evicted ones without counting 
 ``backoffLimit`` (the podFailurePolicy Ignore rule on DisruptionTarget).
 
 It is driven through the same client calls as a real API server: fakes of the kubernetes client's
-``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods, returning the client's own model
+``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods (:mod:`tests.unit.k8s_sim_api`), returning the client's own model
 objects (or dicts for custom objects) and raising ``ApiException`` with real status codes; jobs
 can be listed by label selector and patched (merge patch), and ``deleted`` keeps each deleted job
 as it was last. :func:`install` hands them out from ``KubernetesHook``'s client properties
 (:func:`install_clusters`: one simulator per Connection, for an estate of clusters).
+
+The schedulers' own objects are there too (:mod:`tests.unit.k8s_sim_queues`): Volcano Queues and
+PodGroups, Kueue ClusterQueues, LocalQueues and Workloads, served by the custom objects API
+(namespaced and cluster-wide get and list, each object valid against its CRD schema, checked on
+every answer). Every call through the fakes is recorded in ``requests`` as (method,
+``_request_timeout``); ``unreachable`` (True, or an exception to raise) makes every call fail as
+against an API server that cannot be reached, and ``api_delay_s`` makes every answer that slow (a
+call whose ``_request_timeout`` is shorter times out after that long instead, as urllib3 would).
 """
 
 from __future__ import annotations
 
-import copy
-import json
-from functools import cache
+import time
+import uuid
 
-import jsonschema
-import yaml
-from kubernetes.client import ApiClient
-from kubernetes.client.exceptions import ApiException
-from tests.reference import REFERENCE
+from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
+from tests.unit import k8s_sim_queues as queues
+from tests.unit.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
+    FakeBatchV1Api,
+    FakeCoreV1Api,
+    FakeCustomObjectsApi,
+    crd_schema,
+    crd_validator,
+    to_model,
+)
+from urllib3 import HTTPSConnectionPool
+from urllib3.exceptions import MaxRetryError, NewConnectionError, ReadTimeoutError
 
 GPU = "nvidia.com/gpu"
-
-
-@cache
-def crd_schema(relpath: str, version: str | None = None) -> dict:
-    doc = yaml.safe_load((REFERENCE / relpath).read_text())
-    versions = doc["spec"]["versions"]
-    chosen = next(v for v in versions if version is None or v["name"] == version)
-    return chosen["schema"]["openAPIV3Schema"]
-
-
-@cache
-def _api_client() -> ApiClient:
-    return ApiClient()
-
-
-class _Response:
-    def __init__(self, body: dict) -> None:
-        self.data = json.dumps(body, default=str)
-
-
-def to_model(body: dict, kind: str):
-    """A dict as the kubernetes client's model object (V1Job, V1Node, ...), as a real call returns."""
-    return _api_client().deserialize(_Response(body), kind)
-
-
-def _selector(selector: str | None) -> dict[str, str]:
-    if not selector:
-        return {}
-    return dict(part.split("=", 1) for part in selector.split(","))
-
-
-def _label_match(labels: dict, selector: str | None) -> bool:
-    """An equality-based label selector as the API server reads it: ``k=v``, ``k==v``, ``k!=v`` (true
-    when the label is absent), ``k`` (exists), ``!k`` (absent), joined by commas."""
-    for part in filter(None, (p.strip() for p in (selector or "").split(","))):
-        if "(" in part:
-            raise NotImplementedError(f"set-based selector {part!r} is not simulated")
-        if "!=" in part:
-            key, value = part.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in part:
-            key, value = part.replace("==", "=").split("=", 1)
-            if labels.get(key.strip()) != value.strip():
-                return False
-        elif part.startswith("!"):
-            if part[1:].strip() in labels:
-                return False
-        elif part not in labels:
-            return False
-    return True
-
-
-def _merge_patch(target: dict, patch: dict) -> dict:
-    """RFC 7386 JSON merge patch (what a strategic merge patch also does to maps like annotations)."""
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge_patch(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)
-    return target
-
-
-def _check_patch(body, content_type: str) -> None:
-    # The API server refuses a map sent as a JSON patch (which must be a list of operations).
-    if content_type == "application/json-patch+json" and not isinstance(body, list):
-        raise ApiException(status=400, reason="BadRequest: json: cannot unmarshal object into Go value of type "
-                                              "[]handlers.jsonPatchOp")
-    if content_type not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
-        raise NotImplementedError(f"patch content type {content_type!r} is not simulated")
 
 
 class SimCluster:
@@ -115,11 +57,73 @@ class SimCluster:
         self.secrets: dict[tuple[str, str], dict] = {}
         self.services: dict[tuple[str, str], dict] = {}
         self.deleted: dict[tuple[str, str, str], dict] = {}  # (kind, ns, name): a job as it was when deleted
-        self.kueue_admits = True  # the LocalQueue's ClusterQueue has quota
+        self.kueue_admits = True  # Kueue admits at all (with declared queues, also within the quota)
         self.on_read = None  # called before each job read: lets time pass between a watcher's polls
-        self.calls: list[str] = []
+        self.calls: list[str] = []  # what changed the cluster
+        self.requests: list[tuple[str, object]] = []  # every call: (method, its _request_timeout)
+        self.unreachable: bool | BaseException = False
+        self.api_delay_s = 0.0
+        self.volcano_queues = {"root": queues.volcano_queue("root", parent=None),
+                               "default": queues.volcano_queue("default")}
+        self.podgroups: dict[tuple[str, str], dict] = {}
+        self.cluster_queues: dict[str, dict] = {}
+        self.local_queues: dict[tuple[str, str], dict] = {}
+        self.workloads: dict[tuple[str, str], dict] = {}
         self._gen = 0
+        self._uids = 0
+        self._serving = False
+        self._clock = 0  # seconds since the simulated epoch: creation order is timestamp order
         self.core, self.batch, self.custom = FakeCoreV1Api(self), FakeBatchV1Api(self), FakeCustomObjectsApi(self)
+
+    # --- the API server's side ----------------------------------------------------------------
+
+    def stamp(self) -> str:
+        """A creation time: each one a second after the last, so creation order is timestamp order."""
+        self._clock += 1
+        return queues.stamp(self._clock)
+
+    def now(self) -> str:
+        return queues.stamp(self._clock)
+
+    def new_uid(self) -> str:
+        self._uids += 1
+        return str(uuid.UUID(int=self._uids))
+
+    def answer(self, method: str, kwargs: dict) -> None:
+        """Every call through the fakes: recorded, then failed or slowed as the test set it up."""
+        timeout = kwargs.get("_request_timeout")
+        self.requests.append((method, timeout))
+        pool = HTTPSConnectionPool("sim.invalid", 6443)
+        if self.unreachable is True:
+            raise MaxRetryError(pool, f"/{method}", NewConnectionError(
+                pool, "Failed to establish a new connection: [Errno 111] Connection refused"))
+        if isinstance(self.unreachable, BaseException):
+            raise self.unreachable
+        if self.api_delay_s:
+            read = timeout[-1] if isinstance(timeout, tuple) else timeout
+            if read is not None and read < self.api_delay_s:
+                time.sleep(read)
+                raise MaxRetryError(pool, f"/{method}", ReadTimeoutError(
+                    pool, f"/{method}", f"Read timed out. (read timeout={read})"))
+            time.sleep(self.api_delay_s)
+
+    def add_volcano_queue(self, name: str, capability_gpus: int | None = None, parent: str = "root") -> None:
+        self.volcano_queues[name] = queues.volcano_queue(name, capability_gpus, parent)
+        self.sync_queues()
+
+    def add_kueue_queues(self, cluster_queue: str, gpus_quota: int, local_queues, *,
+                         flavor: str = "default-flavor") -> None:
+        """A ClusterQueue with ``gpus_quota`` nominal GPUs and the LocalQueues (``"namespace/name"``)
+        that submit to it."""
+        self.cluster_queues[cluster_queue] = queues.cluster_queue(cluster_queue, gpus_quota, flavor)
+        for ref in local_queues:
+            ns, name = ref.split("/", 1)
+            self.local_queues[(ns, name)] = queues.local_queue(ns, name, cluster_queue)
+        self.sync_queues()
+
+    def sync_queues(self) -> None:
+        queues.sync_volcano(self)
+        queues.sync_kueue(self)
 
     # --- scheduling -----------------------------------------------------------------------------
 
@@ -189,10 +193,13 @@ class SimCluster:
                     pod["node"] = placed[0]
             elif pod["phase"] == "Pending":
                 pod["phase"] = "Running"
-        for (ns, name), job in list(self.vcjobs.items()):
+        # Both schedulers admit the higher priority class first, then the older job.
+        for (ns, name), job in _admission_order(self.vcjobs, lambda j: j["spec"].get("priorityClassName")):
             self._reconcile_volcano(ns, name, job)
-        for (ns, name), job in list(self.jobs.items()):
+        for (ns, name), job in _admission_order(self.jobs, lambda j: j["spec"]["template"]["spec"].get(
+                "priorityClassName")):
             self._reconcile_job(ns, name, job)
+        self.sync_queues()
 
     def _reconcile_volcano(self, ns: str, name: str, job: dict) -> None:
         status, owner = job["status"], ("vcjob", ns, name)
@@ -209,7 +216,9 @@ class SimCluster:
                 for i in range(task["replicas"]):
                     templates.append(task["template"])
                     names.append(f"{name}-{task['name']}-{i}")
-            nodes = self._place(templates) if len(templates) >= job["spec"]["minAvailable"] else None
+            fits = len(templates) >= job["spec"]["minAvailable"] and \
+                queues.volcano_queue_allows(self, job, sum(_gpus(t) for t in templates))
+            nodes = self._place(templates) if fits else None
             if nodes is None:
                 status["conditions"] = [{"status": "Pending", "reason": "Unschedulable"}]
                 return
@@ -244,11 +253,12 @@ class SimCluster:
         template = spec["template"]
         labels = {"batch.kubernetes.io/job-name": name, "job-name": name}
         if spec.get("suspend"):
-            if not self.kueue_admits:
+            if not self.kueue_admits or not queues.kueue_quota_allows(self, ns, name):
                 return
             nodes = self._place([template] * spec["parallelism"])
             if nodes is None:
                 return
+            queues.admit_workload(self, ns, name)
             spec["suspend"] = False  # Kueue admitted the workload: unsuspend
             status["startTime"] = "2026-01-01T00:00:00Z"
             for index, node in enumerate(nodes):
@@ -281,204 +291,25 @@ class SimCluster:
     def delete_owned(self, owner: tuple) -> None:
         for pod in self.pods_of(owner):
             del self.pods[(pod["namespace"], pod["name"])]
+        self.delete_scheduling(owner)
+
+    def delete_scheduling(self, owner: tuple) -> None:
+        """The job's PodGroup or Workload goes with it (garbage collection; Kueue finalizes the
+        Workload of a deleted Job whatever the propagation policy)."""
+        kind, ns, name = owner
+        store = self.podgroups if kind == "vcjob" else self.workloads
+        for key, obj in list(store.items()):
+            if key[0] == ns and obj["metadata"]["ownerReferences"][0]["name"] == name:
+                del store[key]
+        self.sync_queues()
+
+def _admission_order(jobs: dict, priority_class) -> list:
+    return sorted(jobs.items(), key=lambda item: (-queues.PRIORITY_VALUES.get(priority_class(item[1]), 0),
+                                                  item[1]["metadata"].get("creationTimestamp", "")))
 
 
 def _gpus(template: dict) -> int:
     return sum(int(c.get("resources", {}).get("limits", {}).get(GPU, 0)) for c in template["spec"]["containers"])
-
-
-def _not_found(what: str) -> ApiException:
-    return ApiException(status=404, reason=f"NotFound: {what}")
-
-
-class FakeCustomObjectsApi:
-    """The CustomObjectsApi methods the backend calls, for Volcano Jobs."""
-
-    def __init__(self, sim: SimCluster) -> None:
-        self.sim = sim
-
-    def _check(self, group: str, version: str, plural: str) -> None:
-        if (group, version, plural) != ("batch.volcano.sh", "v1alpha1", "jobs"):
-            raise ApiException(status=404, reason=f"NotFound: no resource {group}/{version}/{plural}")
-
-    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **kwargs):
-        self._check(group, version, plural)
-        self.sim.calls.append(f"create vcjob {body['metadata']['name']}")
-        jsonschema.validate(body, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))  # the API server's check
-        key = (namespace, body["metadata"]["name"])
-        if key in self.sim.vcjobs:
-            raise ApiException(status=409, reason="AlreadyExists")
-        stored = copy.deepcopy(body)
-        stored["status"] = {"state": {"phase": "Pending"}, "retryCount": 0}
-        self.sim.vcjobs[key] = stored
-        return copy.deepcopy(stored)
-
-    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
-        self._check(group, version, plural)
-        if self.sim.on_read:
-            self.sim.on_read()
-        if (namespace, name) not in self.sim.vcjobs:
-            raise _not_found(name)
-        return copy.deepcopy(self.sim.vcjobs[(namespace, name)])
-
-    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **kwargs):
-        self._check(group, version, plural)
-        items = [copy.deepcopy(job) for (ns, _), job in sorted(self.sim.vcjobs.items())
-                 if ns == namespace and _label_match(job["metadata"].get("labels") or {}, label_selector)]
-        return {"apiVersion": f"{group}/{version}", "kind": "JobList", "metadata": {}, "items": items}
-
-    def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **kwargs):
-        self._check(group, version, plural)
-        # CustomObjectsApi sends a merge patch unless told otherwise.
-        _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
-        if (namespace, name) not in self.sim.vcjobs:
-            raise _not_found(name)
-        self.sim.calls.append(f"patch vcjob {name}")
-        patched = _merge_patch(copy.deepcopy(self.sim.vcjobs[(namespace, name)]), body)
-        jsonschema.validate({k: v for k, v in patched.items() if k != "status" and not k.startswith("_")},
-                            crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
-        self.sim.vcjobs[(namespace, name)] = patched
-        return copy.deepcopy(patched)
-
-    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
-        self._check(group, version, plural)
-        self.sim.calls.append(f"delete vcjob {name}")
-        gone = self.sim.vcjobs.pop((namespace, name), None)
-        if gone is None:
-            raise _not_found(name)
-        self.sim.deleted[("vcjob", namespace, name)] = gone
-        self.sim.delete_owned(("vcjob", namespace, name))  # garbage collection of owned pods
-        return {"status": "Success"}
-
-
-class FakeBatchV1Api:
-    def __init__(self, sim: SimCluster) -> None:
-        self.sim = sim
-        self.api_client = _api_client()
-
-    def create_namespaced_job(self, namespace, body, **kwargs):
-        self.sim.calls.append(f"create job {body['metadata']['name']}")
-        key = (namespace, body["metadata"]["name"])
-        if key in self.sim.jobs:
-            raise ApiException(status=409, reason="AlreadyExists")
-        stored = copy.deepcopy(body)
-        stored["status"] = {}
-        self.sim.jobs[key] = stored
-        return to_model(stored, "V1Job")
-
-    def read_namespaced_job(self, name, namespace, **kwargs):
-        if self.sim.on_read:
-            self.sim.on_read()
-        if (namespace, name) not in self.sim.jobs:
-            raise _not_found(name)
-        return to_model(self.sim.jobs[(namespace, name)], "V1Job")
-
-    read_namespaced_job_status = read_namespaced_job
-
-    def list_namespaced_job(self, namespace, label_selector=None, **kwargs):
-        items = [job for (ns, _), job in sorted(self.sim.jobs.items())
-                 if ns == namespace and _label_match(job["metadata"].get("labels") or {}, label_selector)]
-        return to_model({"apiVersion": "batch/v1", "kind": "JobList", "metadata": {}, "items": items}, "V1JobList")
-
-    def patch_namespaced_job(self, name, namespace, body, **kwargs):
-        # For a dict body BatchV1Api picks the first type it offers, json-patch+json.
-        _check_patch(body, kwargs.get("_content_type") or "application/json-patch+json")
-        if (namespace, name) not in self.sim.jobs:
-            raise _not_found(name)
-        self.sim.calls.append(f"patch job {name}")
-        _merge_patch(self.sim.jobs[(namespace, name)], body)
-        return to_model(self.sim.jobs[(namespace, name)], "V1Job")
-
-    def delete_namespaced_job(self, name, namespace, **kwargs):
-        self.sim.calls.append(f"delete job {name}")
-        gone = self.sim.jobs.pop((namespace, name), None)
-        if gone is None:
-            raise _not_found(name)
-        self.sim.deleted[("job", namespace, name)] = gone
-        # The API's default for Jobs orphans their pods; only a propagation policy removes them.
-        if kwargs.get("propagation_policy") in ("Background", "Foreground"):
-            self.sim.delete_owned(("job", namespace, name))
-        return to_model({"status": "Success"}, "V1Status")
-
-
-class FakeCoreV1Api:
-    def __init__(self, sim: SimCluster) -> None:
-        self.sim = sim
-
-    def _node(self, name: str) -> dict:
-        if name not in self.sim.nodes:
-            raise _not_found(name)
-        return self.sim.nodes[name]
-
-    def read_node(self, name, **kwargs):
-        node = self._node(name)
-        return to_model({"metadata": {"name": name, "labels": node["labels"]},
-                         "spec": {"unschedulable": node["unschedulable"], "taints": node["taints"] or None},
-                         "status": {"capacity": {GPU: str(node["gpus"])}}}, "V1Node")
-
-    def patch_node(self, name, body, **kwargs):
-        node = self._node(name)
-        self.sim.calls.append(f"patch node {name}")
-        spec = body.get("spec", {})
-        if "unschedulable" in spec:
-            node["unschedulable"] = bool(spec["unschedulable"])
-        if "taints" in spec:  # a list without a merge key is replaced as a whole
-            node["taints"] = list(spec["taints"] or [])
-        return self.read_node(name)
-
-    def list_namespaced_pod(self, namespace, field_selector=None, label_selector=None, **kwargs):
-        fields, labels = _selector(field_selector), _selector(label_selector)
-        items = []
-        for pod in self.sim.pods.values():
-            if pod["namespace"] != namespace:
-                continue
-            if "spec.nodeName" in fields and pod["node"] != fields["spec.nodeName"]:
-                continue
-            if any(pod["labels"].get(k) != v for k, v in labels.items()):
-                continue
-            items.append({"metadata": {"name": pod["name"], "namespace": namespace, "labels": pod["labels"]},
-                          "spec": {"nodeName": pod["node"], "containers": pod["template"]["spec"]["containers"]},
-                          "status": {"phase": pod["phase"], "reason": pod["reason"]}})
-        return to_model({"items": items}, "V1PodList")
-
-    def delete_namespaced_pod(self, name, namespace, **kwargs):
-        pod = self.sim.pods.pop((namespace, name), None)
-        if pod is None:
-            raise _not_found(name)
-        self.sim.calls.append(f"delete pod {name}")
-        kind, ns, job = pod["owner"]
-        if kind == "vcjob" and (ns, job) in self.sim.vcjobs:  # Volcano sees a deleted pod as evicted
-            self.sim.vcjobs[(ns, job)]["_deleted_pods"] = self.sim.vcjobs[(ns, job)].get("_deleted_pods", 0) + 1
-        return to_model({"metadata": {"name": name}}, "V1Pod")
-
-    def _create(self, store: dict, kind: str, namespace, body):
-        key = (namespace, body["metadata"]["name"])
-        self.sim.calls.append(f"create {kind.lower()} {key[1]}")
-        if key in store:
-            raise ApiException(status=409, reason="AlreadyExists")
-        store[key] = copy.deepcopy(body)
-        return to_model(body, f"V1{kind}")
-
-    def create_namespaced_secret(self, namespace, body, **kwargs):
-        return self._create(self.sim.secrets, "Secret", namespace, body)
-
-    def replace_namespaced_secret(self, name, namespace, body, **kwargs):
-        if (namespace, name) not in self.sim.secrets:
-            raise _not_found(name)
-        self.sim.secrets[(namespace, name)] = copy.deepcopy(body)
-        return to_model(body, "V1Secret")
-
-    def delete_namespaced_secret(self, name, namespace, **kwargs):
-        if self.sim.secrets.pop((namespace, name), None) is None:
-            raise _not_found(name)
-
-    def create_namespaced_service(self, namespace, body, **kwargs):
-        return self._create(self.sim.services, "Service", namespace, body)
-
-    def delete_namespaced_service(self, name, namespace, **kwargs):
-        if self.sim.services.pop((namespace, name), None) is None:
-            raise _not_found(name)
-
 
 def install(monkeypatch, sim: SimCluster) -> None:
     """Make every KubernetesHook hand out the simulator's clients (where the hook builds them)."""

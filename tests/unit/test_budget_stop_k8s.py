@@ -195,7 +195,7 @@ def test_an_unreachable_cluster_is_logged_and_the_others_are_still_stopped(world
         stopped = stop_interruptible_gangs("digits-ocr", REASON, estate, tmp_path)
     assert stopped == [f"gpu-kueue/{started['gpu-kueue']['frozen']}"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "kubernetes cluster gpu-volcano" in warnings[0]
+    assert len(warnings) == 1 and "on cluster gpu-volcano" in warnings[0]
     assert "MaxRetryError" in warnings[0] and "digits-ocr" in warnings[0]
     assert len(volcano.pod_names(started["gpu-volcano"]["frozen"])) == 2  # untouched
 

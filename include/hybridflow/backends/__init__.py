@@ -28,7 +28,8 @@ def gang_backend(cluster: Cluster, estate: Estate, state_dir: Path, *, hook: Any
         return KubernetesGangBackend(cluster, image=cluster.image or "", max_retry=training.preemption_retries,
                                      grace_s=training.preemption_grace_s, hook=hook,
                                      read_timeout_s=placement.cluster_read_timeout_s,
-                                     cache_s=placement.cluster_load_cache_s)
+                                     cache_s=placement.cluster_load_cache_s,
+                                     queue_teams={estate.queue_of(team): team for team in estate.teams})
     from hybridflow.backends.local import LocalGangBackend
 
     return LocalGangBackend(state_dir, cluster.name, cluster.total_gpus, grace_s=training.preemption_grace_s,

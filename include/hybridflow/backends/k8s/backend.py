@@ -11,10 +11,20 @@ is re-attached (a retried or cleared task never starts a second gang); a failed 
 and submitted afresh, since that is what a retry asks for.
 
 Same contract as the local backend where it matters to the train task: :meth:`run` blocks until
-the gang succeeded and raises ``GangNotAdmitted`` (after deleting the job: nothing keeps queueing
-on a cluster the run failed over from) or ``GangFailed``; :meth:`cancel` is for ``on_kill``. The
+the gang succeeded and raises ``GangNotAdmitted`` (the job keeps its place in the queue; the train
+task deletes it if the run moves to another cluster) or ``GangFailed``; :meth:`cancel` is for ``on_kill``. The
 deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger`,
 then :meth:`outcome` on its event.
+
+:meth:`KubernetesGangBackend.load` reads what placement needs from the cluster's gang scheduler
+itself (details in :mod:`hybridflow.backends.k8s.load`): Volcano's cluster-scoped Queues
+(``status.allocated`` GPUs: ``used``, and per team queue: ``teams``) and its PodGroups in every
+namespace still Pending or Inqueue (``queued`` and ``waiting``, in priority then creation order);
+or Kueue's ClusterQueues (``status.flavorsUsage``: ``used``), the namespace's LocalQueues (per team
+queue: ``teams``) and its Workloads without quota reserved (``queued`` and ``waiting``). Every
+call is bounded by ``read_timeout_s``; a reading is shared for ``cache_s`` seconds by every backend
+of the same Connection, namespace and scheduler; an unreadable cluster is
+:meth:`ClusterLoad.unknown`, never an exception.
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding, standing_in
+from hybridflow.backends.errors import GangFailed, GangNotAdmitted
+from hybridflow.backends.k8s import load as _load
 from hybridflow.backends.k8s.manifests import (
+    GANG_LABEL,
     VOLCANO_GROUP,
     VOLCANO_PLURAL,
     VOLCANO_VERSION,
@@ -34,7 +48,6 @@ from hybridflow.backends.k8s.manifests import (
     gang_manifest,
     rendezvous_service,
 )
-from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
 from hybridflow.config import Cluster
 from hybridflow.errors import GangError
 
@@ -130,11 +143,16 @@ def kueue_status(job: Any) -> GangStatus:
 # --- the backend --------------------------------------------------------------------------------
 
 
-class KubernetesGangBackend:
-    """Gang jobs on one ``kubernetes`` cluster of the estate."""
+class KubernetesGangBackend(GangBackend):
+    """Gang jobs on one ``kubernetes`` cluster of the estate.
+
+    ``queue_teams`` maps a queue's name (Volcano Queue, Kueue LocalQueue) to the team it belongs to,
+    for ``load().teams`` and the team of a waiting gang; None: every queue is named after its team
+    (the estate's default), so a queue counts under its own name."""
 
     def __init__(self, cluster: Cluster, *, image: str, command: tuple[str, ...] = DEFAULT_COMMAND,
-                 max_retry: int = 3, grace_s: float = 30, hook: Any = None) -> None:
+                 max_retry: int = 3, grace_s: float = 30, hook: Any = None, read_timeout_s: float = 5.0,
+                 cache_s: float = 5.0, queue_teams: Mapping[str, str] | None = None) -> None:
         if cluster.backend != "kubernetes":
             raise GangError(f"cluster {cluster.name!r} uses backend {cluster.backend!r}; the Kubernetes backend "
                             "needs clusters.<name>.backend: kubernetes")
@@ -142,7 +160,11 @@ class KubernetesGangBackend:
             raise GangError(f"cluster {cluster.name!r} needs conn_id and scheduler (volcano or kueue) in "
                             "clusters.yaml for the Kubernetes backend")
         self.cluster = cluster
+        self.cluster_name = cluster.name
         self.namespace = cluster.k8s_namespace
+        self.read_timeout_s = read_timeout_s
+        self.cache_s = cache_s
+        self.queue_teams = dict(queue_teams) if queue_teams is not None else None
         self.scheduler = cluster.scheduler
         self.image = image
         self.command = tuple(command)
@@ -262,10 +284,10 @@ class KubernetesGangBackend:
         if status.phase == SUCCEEDED:
             return status
         if status.phase == PENDING and not admitted:
-            self.delete(name)
+            # The job keeps its place in the queue: the train task deletes it only if the run moves.
             raise GangNotAdmitted(
-                f"gang {name} was not admitted on cluster {self.cluster.name} ({self.scheduler} queue); the job "
-                "was deleted so the run can fail over to the next candidate", cluster=self.cluster.name)
+                f"gang {name} not admitted yet on cluster {self.cluster.name} ({self.scheduler} queue; "
+                f"{self.standing(name).describe()})", cluster=self.cluster.name)
         raise GangFailed(f"gang {name} on cluster {self.cluster.name} ended {status.phase} after "
                          f"{status.retries} restarts: {status.message or 'no reason given'}",
                          rank=-1, exit_code=-1, log_tail=status.message)
@@ -344,3 +366,62 @@ class KubernetesGangBackend:
                 raise
         # Also after a 404: removes a Secret or Service the vanished job left behind.
         return self.delete(name)
+
+    def find_gangs(self, labels: Mapping[str, str], *, not_labels: Mapping[str, str] | None = None) -> list[str]:
+        """Names (sorted) of the unfinished gang jobs whose ``hybridflow.io/<key>`` labels have every
+        ``labels`` value and none of the ``not_labels`` values."""
+        # The gang label's presence keeps other jobs of the namespace out, even with no labels asked for.
+        parts = [GANG_LABEL]
+        parts += [f"hybridflow.io/{key}={value}" for key, value in sorted(labels.items())]
+        parts += [f"hybridflow.io/{key}!={value}" for key, value in sorted((not_labels or {}).items())]
+        return self.list_gangs(",".join(parts))
+
+    # --- what placement reads: usage and queues ---------------------------------------------------
+
+    def load(self) -> ClusterLoad:
+        """GPUs in use, queued and held per team, as the cluster's gang scheduler reports them now
+        (shared for ``cache_s``; see the module docstring). Never raises."""
+        teams = tuple(sorted(self.queue_teams.items())) if self.queue_teams is not None else None
+        key = (self.cluster.conn_id, self.namespace, self.scheduler, self.cluster_name, self.cluster.total_gpus, teams)
+        return _load.cached(key, self.cache_s, self._read_load)
+
+    def _read_load(self) -> ClusterLoad:
+        where = f"cluster {self.cluster_name} (Connection {self.cluster.conn_id})"
+        try:
+            custom = self.hook.custom_object_client
+            if self.scheduler == "volcano":
+                reading = _load.read_volcano(custom, timeout=self.read_timeout_s, queue_teams=self.queue_teams)
+            else:
+                reading = _load.read_kueue(custom, self.namespace, timeout=self.read_timeout_s,
+                                           queue_teams=self.queue_teams)
+        except _load.Unreadable as exc:
+            return self._unknown(f"could not read the {exc.what} of {where}: {_load.describe_error(exc.cause)}")
+        except Exception as exc:  # noqa: BLE001 - a cluster we cannot read is unknown, not an error
+            return self._unknown(f"could not read the {self.scheduler} queues of {where}: {_load.describe_error(exc)}")
+        return ClusterLoad(cluster=self.cluster_name, capacity=self.cluster.total_gpus, used=reading.used,
+                           queued=reading.queued, teams=reading.teams, waiting=reading.waiting,
+                           queues=reading.queues)
+
+    def _unknown(self, reason: str) -> ClusterLoad:
+        return ClusterLoad.unknown(self.cluster_name, self.cluster.total_gpus, reason)
+
+    def standing(self, name: str) -> QueueStanding:
+        """Where gang job ``name`` stands among the gangs waiting on the cluster (position 0: it is
+        not waiting, or the cluster could not be read)."""
+        return standing_in(self.load(), name)
+
+    def queue_exists(self, queue: str) -> bool | None:
+        """Whether the scheduler has ``queue`` (a Volcano Queue; a Kueue LocalQueue in the namespace);
+        None when the cluster cannot be read."""
+        kw = {"name": queue, "_request_timeout": self.read_timeout_s}
+        try:
+            custom = self.hook.custom_object_client
+            if self.scheduler == "volcano":
+                custom.get_cluster_custom_object(group=_load.VOLCANO_SCHEDULING_GROUP,
+                                                 version=_load.VOLCANO_SCHEDULING_VERSION, plural="queues", **kw)
+            else:
+                custom.get_namespaced_custom_object(group=_load.KUEUE_GROUP, version=_load.KUEUE_VERSION,
+                                                    namespace=self.namespace, plural="localqueues", **kw)
+        except Exception as exc:  # noqa: BLE001 - unreadable is None, not an error
+            return False if _status_code(exc) == 404 else None
+        return True
