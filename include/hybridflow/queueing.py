@@ -153,12 +153,14 @@ class QueueWaitTrigger(BaseTrigger):
         return settings, estate, gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
 
     def _poll(self) -> tuple[bool, dict]:
+        from hybridflow.backends import team_held_outside
         from hybridflow.backends.base import GangJob, QueueStanding
 
         settings, estate, backend = self._context()
+        team, cap = self.job.get("team") or "", self.job.get("team_cap")
         job = GangJob(name=self.job["name"], workers=int(self.job["workers"]), spec={},
-                      labels={"priority": self.job["priority"], "team": self.job.get("team") or ""},
-                      team_cap=self.job.get("team_cap"))
+                      labels={"priority": self.job["priority"], "team": team}, team_cap=cap,
+                      team_held_outside=team_held_outside(estate, settings.state_dir, team) if cap else 0)
         if self.kind == "slots":
             admitted = backend.admit_step(job, since=self.queued_since, lease_s=LEASE_S, pid=os.getpid(),
                                           preempted=self._preempted, log=self.log.info)

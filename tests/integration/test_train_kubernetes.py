@@ -54,6 +54,12 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
     monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2", "kubernetes://")
     seed_examples(home)
     sim = SimCluster({f"gpu-{i}": {"gpus": 2, "labels": {"hybridflow.io/pool": "a100"}} for i in (1, 2)})
+    # The teams' queues, as the cluster's admins create them (placement rules out a cluster without one).
+    if scheduler == "volcano":
+        for queue in ("perception", "search"):
+            sim.add_volcano_queue(queue)
+    else:
+        sim.add_kueue_queues("teams", 4, ["hybridflow/perception", "hybridflow/search"])
     install(monkeypatch, sim)
     kubelet = Kubelet(sim, tmp_path)
     sim.on_read = kubelet.step  # each poll of the job lets the cluster and its pods move on
@@ -178,3 +184,36 @@ def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(es
     assert result["preemptions"] == 1 and result["final_step"] == 400
     assert result["start_step"] >= 20  # the restarted gang resumed, it did not start again at 0
     assert len(estate.kubelet.started) == 4 and len(_creates(estate.sim)) == 1
+
+
+@pytest.mark.parametrize("estate", [("volcano", True), ("kueue", True)], indirect=True,
+                         ids=["volcano-deferred", "kueue-deferred"])
+def test_a_team_over_its_cap_waits_unsubmitted_and_starts_when_its_gpus_free_up(estate) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from hybridflow.backends.local import LocalSlotPool
+    from hybridflow.queueing import QueueWaitTrigger, read_standing
+    from hybridflow.settings import get_settings
+
+    config = get_settings().config_dir
+    projects = yaml.safe_load((config / "projects.yaml").read_text())
+    projects["teams"]["perception"]["gpu_cap"] = 3
+    (config / "projects.yaml").write_text(yaml.safe_dump(projects, sort_keys=False))
+    # An earlier run of the same team holds 2 GPUs on the local private cluster: the cap spans the
+    # estate, so 2 more on the Kubernetes cluster would pass it.
+    earlier = LocalSlotPool(estate.home / "state", "onprem-a", 4)
+    assert earlier.try_acquire("train-earlier", 2, team="perception")
+    run, placement, _, op, context = _train_task("capped")
+    assert placement["cluster"] == CLUSTER
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context)
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, QueueWaitTrigger) and trigger.kind == "team_cap"
+    assert _creates(estate.sim) == []  # not submitted while over the cap
+    earlier.release("train-earlier")  # the team's earlier run finishes
+    event = asyncio.run(_first_event(trigger))
+    assert event.payload["status"] == "admitted"
+    assert read_standing(estate.home / "private", run["run_key"])["state"] == "admitted"
+    resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
+    result = _complete(resumed, context, deferred.value, event, estate)
+    assert result["cluster"] == CLUSTER and result["final_step"] == 40

@@ -284,6 +284,33 @@ def test_small_gang_does_not_overtake_a_waiting_big_one(tmp_path):
     assert pool.try_acquire("small", 1)
 
 
+def test_team_cap_counts_what_the_team_holds_on_kubernetes_clusters(tmp_path):
+    pool = LocalSlotPool(tmp_path, "a", 4)
+    # 2 GPUs held on a Kubernetes cluster (its scheduler's count) plus 2 here would pass a cap of 3.
+    assert not pool.try_acquire("x-1", 2, team="x", team_cap=3, team_outside=2, queue=True)
+    assert pool.standing("x-1").over_team_cap
+    assert pool.try_acquire("x-1", 2, team="x", team_cap=3, team_outside=1)
+
+
+def test_slots_taken_for_a_deferred_task_are_leased_and_keep_its_place(tmp_path):
+    import time
+
+    pool = LocalSlotPool(tmp_path, "a", 2)
+    assert pool.try_acquire("busy", 2)
+    since = time.time() - 500  # it queued long ago, before its task deferred
+    assert not pool.try_acquire("late", 1, queue=True)
+    assert not pool.try_acquire("early", 1, queue=True, since=since)
+    assert [w[0] for w in pool.load().waiting] == ["early", "late"]  # its place survives the hand-over
+    pool.release("busy")
+    assert pool.try_acquire("early", 1, queue=True, since=since, lease_s=0.2)  # taken by its trigger
+    assert pool.holdings()["early"]["lease_until"]
+    time.sleep(0.3)
+    assert "early" not in pool.holdings()  # its task never came: the lease lapsed, nothing leaks
+    pool.withdraw("late")
+    assert pool.try_acquire("early", 1, lease_s=60) and pool.try_acquire("early", 1)  # the task takes them over
+    assert "lease_until" not in pool.holdings()["early"]
+
+
 def test_team_cap_spans_clusters_and_does_not_block_other_teams(tmp_path):
     a, b = LocalSlotPool(tmp_path, "a", 4), LocalSlotPool(tmp_path, "b", 4)
     assert a.try_acquire("x-1", 2, team="x", team_cap=3)

@@ -58,3 +58,10 @@ def team_usage(loads: dict[str, ClusterLoad]) -> dict[str, int]:
         for team, gpus in load.teams.items():
             usage[team] = usage.get(team, 0) + int(gpus)
     return usage
+
+
+def team_held_outside(estate: Estate, state_dir: Path, team: str) -> int:
+    """GPUs ``team`` holds on clusters whose gangs this machine does not launch (their schedulers'
+    own count), for the team's estate-wide cap on the local backend's slot pools."""
+    outside = [c for c in estate.clusters.values() if not gang_backend(c, estate, state_dir).supervised_by_task]
+    return sum(int(_load(c, estate, state_dir).teams.get(team, 0)) for c in outside)

@@ -30,8 +30,10 @@ class GangJob:
     # Who the gang works for (project, team, priority, interruptible), kept with the running gang so a
     # budget freeze can find a project's gangs and admission can order, cap and preempt by them.
     labels: dict[str, str] = field(default_factory=dict)
-    # The team's gpu_cap over every local cluster (None: no cap, e.g. critical runs).
+    # The team's gpu_cap over the estate (None: no cap, e.g. critical runs), and the GPUs the team
+    # holds on clusters outside this machine's slot pools (Kubernetes), which count against it too.
     team_cap: int | None = None
+    team_held_outside: int = 0
 
     @property
     def priority(self) -> str:

@@ -246,6 +246,7 @@ class LocalSlotPool:
         queue: bool = False,
         since: float | None = None,
         lease_s: float | None = None,
+        team_outside: int = 0,
     ) -> bool:
         """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
         slots the job already holds moves them to ``pid`` (and drops any lease).
@@ -267,7 +268,7 @@ class LocalSlotPool:
         pid = os.getpid() if pid is None else pid
         if team is not None and team_cap is not None:
             with self._flock(self.dir / TEAMS_LOCK):
-                elsewhere = self._team_held_elsewhere(team)
+                elsewhere = self._team_held_elsewhere(team) + team_outside
                 return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue, since, lease_s)
         return self._try(job_name, n, pid, priority, team, None, 0, queue, since, lease_s)
 
@@ -422,7 +423,8 @@ class LocalGangBackend(GangBackend):
         ``since``); a critical gang also stops batch gangs in its way. ``lease_s`` reserves the
         slots for the task that will launch the gang (a trigger admits on its behalf)."""
         if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
-                                 team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s):
+                                 team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s,
+                                 team_outside=job.team_held_outside):
             return True
         if job.priority == "critical" and self.critical_preempts_batch and preempted is not None:
             preempted |= self._preempt_batch(job, preempted, log)

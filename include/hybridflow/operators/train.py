@@ -258,7 +258,7 @@ class GangTrainOperator(BaseOperator):
     def _train_on_local(self, job: _TrainJob, settings, estate, queued_since: float | None = None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from hybridflow.backends import gang_backend
+        from hybridflow.backends import gang_backend, team_held_outside
         from hybridflow.backends.base import GangJob
         from hybridflow.backends.errors import GangNotAdmitted, GangPreempted, GangStopped
 
@@ -269,6 +269,7 @@ class GangTrainOperator(BaseOperator):
         self._backend = gang_backend(job.cluster, estate, settings.state_dir)
         # Critical runs are never held by the team's cap (they may preempt batch work instead).
         team_cap = None if req.priority == "critical" else estate.teams[job.admitted.team].gpu_cap
+        outside = team_held_outside(estate, settings.state_dir, job.admitted.team) if team_cap else 0
         budget = training_cfg.preemption_retries
         preemptions = 0
         started = time.time()
@@ -279,7 +280,8 @@ class GangTrainOperator(BaseOperator):
             try:
                 self._backend.run(
                     GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label},
-                            env=job.env, attempt=label, labels=dict(job.labels), team_cap=team_cap),
+                            env=job.env, attempt=label, labels=dict(job.labels), team_cap=team_cap,
+                            team_held_outside=outside),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
                     log=self.log, queued_since=queued_since,
                     on_admitted=lambda waited, label=label: self._admitted_after(job, label, waited, settings),
