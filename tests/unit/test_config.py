@@ -180,6 +180,8 @@ BROKEN = [
      ["admission.critical_preempts_batch", "valid boolean"]),
     ("pipeline.yaml", _set(["placement", "spill_counts_queue"], "maybe"), ["placement.spill_counts_queue", "valid boolean"]),
     ("pipeline.yaml", _set(["training", "gang_admission_timeout_s"], 0), ["training.gang_admission_timeout_s", "greater than 0"]),
+    ("pipeline.yaml", _set(["training", "max_queue_wait_s"], -1), ["training.max_queue_wait_s", "greater than or equal to 0"]),
+    ("pipeline.yaml", _set(["placement", "cluster_read_timeout_s"], 0), ["placement.cluster_read_timeout_s", "greater than 0"]),
     (
         "clusters.yaml",
         _set(["clusters", "onprem-a", "node_pools", 0, "pricing"], "spot"),
