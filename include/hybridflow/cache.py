@@ -5,7 +5,8 @@ until an operator prunes. Pruning keeps the newest ``keep`` versions (at least t
 version younger than ``protect_s`` (a run may still be reading it), deletes the other manifests
 first, so no reader can find a version whose blobs are going, and then deletes blobs no kept
 version names, but only those older than ``min_blob_age_s``: a stage still in flight has
-uploaded blobs that no manifest names yet.
+uploaded blobs that no manifest names yet. A manifest that cannot be read (a transient error, a
+newer schema) may name any blob, so pruning then stops before deleting anything, naming it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from hybridflow.errors import HybridFlowError
 from hybridflow.staging import blob_prefix, read_manifest, versions_prefix
 from hybridflow.storage.manifest import DatasetManifest
 from hybridflow.storage.objectstore import ObjectStore
@@ -23,6 +25,10 @@ from hybridflow.storage.objectstore import ObjectStore
 logger = logging.getLogger(__name__)
 
 MIN_KEEP = 3
+
+
+class PruneRefused(HybridFlowError):
+    """Pruning would be unsafe now (a manifest cannot be read); nothing was deleted."""
 
 
 @dataclass(frozen=True)
@@ -55,17 +61,17 @@ def _created(manifest: DatasetManifest, fallback: float | None) -> float:
     return fallback or 0.0
 
 
-def list_versions(store: ObjectStore, dataset: str, *, log: Any = logger) -> list[CachedVersion]:
-    """Committed versions of ``dataset`` in ``store``, newest first (unreadable manifests are skipped
-    with a warning and never pruned)."""
-    out = []
+def _read_versions(store: ObjectStore, dataset: str) -> tuple[list[CachedVersion], dict[str, str]]:
+    """Committed versions of ``dataset``, newest first, and the manifests that could not be read
+    (key -> why)."""
+    out, unreadable = [], {}
     for info in store.list(versions_prefix(dataset)):
         if not info.key.endswith(".json"):
             continue
         try:
             m = read_manifest(store, info.key)
         except Exception as exc:  # noqa: BLE001 - one bad manifest must not hide the others
-            log.warning("skipping %s: %s", info.key, exc)
+            unreadable[info.key] = f"{type(exc).__name__}: {exc}"
             continue
         out.append(
             CachedVersion(
@@ -78,7 +84,16 @@ def list_versions(store: ObjectStore, dataset: str, *, log: Any = logger) -> lis
                 manifest=m,
             )
         )
-    return sorted(out, key=lambda v: (v.created_at, v.version), reverse=True)
+    return sorted(out, key=lambda v: (v.created_at, v.version), reverse=True), unreadable
+
+
+def list_versions(store: ObjectStore, dataset: str, *, log: Any = logger) -> list[CachedVersion]:
+    """Committed versions of ``dataset`` in ``store``, newest first (unreadable manifests are skipped
+    with a warning; :func:`prune_versions` refuses to run while there is one)."""
+    versions, unreadable = _read_versions(store, dataset)
+    for key, why in unreadable.items():
+        log.warning("skipping %s: %s", key, why)
+    return versions
 
 
 def prune_versions(
@@ -95,7 +110,14 @@ def prune_versions(
     if keep < MIN_KEEP:
         raise ValueError(f"keep={keep}: the cache keeps at least the last {MIN_KEEP} versions; use keep >= {MIN_KEEP}")
     now = time.time() if now is None else now
-    versions = list_versions(store, dataset, log=log)
+    versions, unreadable = _read_versions(store, dataset)
+    if unreadable:
+        key, why = next(iter(sorted(unreadable.items())))
+        raise PruneRefused(
+            f"cannot read manifest {key} ({why}){f' and {len(unreadable) - 1} more' if len(unreadable) > 1 else ''}: "
+            "its version may own any blob of the cache, so nothing was pruned. Retry if the store was briefly "
+            "unavailable; otherwise repair or remove that manifest, then prune again"
+        )
     kept = [v for i, v in enumerate(versions) if i < keep or now - v.created_at < protect_s]
     doomed = [v for v in versions if v not in kept]
     report = PruneReport(kept=[v.version for v in kept], versions_deleted=[v.version for v in doomed], dry_run=dry_run)

@@ -157,7 +157,7 @@ def _cache_store(cluster_name: str):
 def cmd_cache(args) -> int:
     from datetime import datetime
 
-    from hybridflow.cache import list_versions, prune_versions
+    from hybridflow.cache import PruneRefused, list_versions, prune_versions
 
     store, estate = _cache_store(args.cluster)
     if args.action == "versions":
@@ -171,6 +171,8 @@ def cmd_cache(args) -> int:
             store, args.dataset, keep=keep, dry_run=args.dry_run,
             protect_s=args.protect_hours * 3600.0, min_blob_age_s=args.protect_hours * 3600.0,
         )
+    except PruneRefused as exc:
+        raise SystemExit(f"hybridflow cache prune: {exc}") from exc
     except ValueError as exc:
         raise SystemExit(f"--keep: {exc}") from exc
     verb = "would delete" if report.dry_run else "deleted"

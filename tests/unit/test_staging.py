@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from tests.unit.test_sovereignty import PRIVATE_EU, PUBLIC_EU, PUBLIC_US, write_catalogue
 
-from hybridflow.cache import list_versions, prune_versions
+from hybridflow.cache import PruneRefused, list_versions, prune_versions
 from hybridflow.errors import ConfigError, SovereigntyError, StagingError
 from hybridflow.sovereignty import Destination
-from hybridflow.staging import StagingSettings, blob_prefix, read_manifest, stage_dataset
+from hybridflow.staging import StagingSettings, blob_prefix, read_manifest, stage_dataset, versions_prefix
 from hybridflow.storage.manifest import fetch_verified
 from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec, open_store
 from hybridflow.storage.reader import iter_samples
@@ -36,7 +36,7 @@ DIGITS_FILES = ["expectations/test.json", "expectations/train.json", "test.csv",
 # Every synthetic dataset staged below: the guard refuses a dataset its catalogue does not list.
 INTERNAL = (
     "digits", "fan", "wide", "swap", "flip", "big", "aband", "packed", "foldered", "shardrot", "shots",
-    "progress", "vers", "clidata", "whole", "parts", "small",
+    "progress", "vers", "unread", "clidata", "whole", "parts", "small",
 )
 
 
@@ -627,6 +627,24 @@ def test_versions_are_kept_until_pruned_and_pruning_keeps_at_least_three(stage, 
     # young unreferenced blobs (a stage in flight) survive a prune
     store.put_bytes(f"{blob_prefix('vers')}ff/in-flight", b"x")
     assert prune_versions(store, "vers", keep=3, protect_s=0).blobs_kept_young == 1
+
+
+def test_prune_deletes_nothing_while_a_manifest_cannot_be_read(stage, store, tmp_path):
+    ds = _folder(tmp_path, "unread", _small_files(4, 1000, seed=7))
+    results = []
+    for i in range(4):
+        (ds.path / "changing.txt").write_bytes(f"version {i}".encode())
+        results.append(stage(ds, store, settings=NO_PACK))
+        time.sleep(1.1)  # created_at has one-second resolution
+    # The oldest version's manifest cannot be read (a newer schema, a damaged object, a failed GET):
+    # its blobs look unreferenced to every readable manifest, and are old enough to go.
+    oldest = results[0]
+    store.put_bytes(oldest.manifest_key, b'{"schema": 99, "not": "a manifest we know"}')
+    own = {info.key for info in store.list(blob_prefix("unread"))}
+    with pytest.raises(PruneRefused, match=f"cannot read manifest {oldest.manifest_key}.*nothing was pruned"):
+        prune_versions(store, "unread", keep=3, protect_s=0, min_blob_age_s=0)
+    assert {info.key for info in store.list(blob_prefix("unread"))} == own  # every blob survives
+    assert len(list(store.list(versions_prefix("unread")))) == 4
 
 
 def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection(
