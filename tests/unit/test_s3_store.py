@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 import threading
 import uuid
 
@@ -274,6 +275,13 @@ def test_server_stop_terminates_only_its_own_process(tmp_path, rclone_s3, s3_arg
         s.ensure_bucket()
         s.put_bytes("k", b"v")
         assert (tmp_path / "data" / "hf-b2" / "k").read_bytes() == b"v"
+        # The keys never show in the process list (`ps` shows every user the command line) ...
+        assert b"second-secret-key" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        # ... and the server still checks them.
+        wrong = S3ObjectStore("hf-b2", endpoint_url=server.endpoint_url, access_key="second-access-key",
+                              secret_key="not-the-secret-key")
+        with pytest.raises(Exception, match="(?i)signature|denied|forbidden|invalid"):
+            wrong.get_bytes("k")
     assert server.pid is None and not server.running
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -75,8 +75,8 @@ class RcloneS3Server:
     ) -> None:
         if len(access_key) < _MIN_KEY_LEN or len(secret_key) < _MIN_KEY_LEN:
             raise ValueError(f"rclone needs access and secret keys of at least {_MIN_KEY_LEN} characters")
-        if "," in access_key or "," in secret_key:
-            raise ValueError("rclone --auth-key takes ACCESS,SECRET: keys must not contain ','")
+        if any(c in key for key in (access_key, secret_key) for c in ',"'):
+            raise ValueError("rclone takes its keys as one quoted ACCESS,SECRET pair: keys must not contain ',' or '\"'")
         self.data_dir = Path(data_dir)
         self.access_key = access_key
         self.secret_key = secret_key
@@ -123,8 +123,6 @@ class RcloneS3Server:
             "s3",
             "--addr",
             f"127.0.0.1:{self.port}",
-            "--auth-key",
-            f"{self.access_key},{self.secret_key}",
             "--etag-hash",
             "MD5",
             # rclone's VFS caches directory listings for 5 min by default, so a file removed from
@@ -140,6 +138,9 @@ class RcloneS3Server:
         ]
         self._log_fh = open(self.log_path, "ab")  # closed in stop()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RCLONE_")}
+        # The keys by environment, not on the command line where `ps` shows them to every user.
+        # rclone reads a list flag's variable as CSV: quote the pair so its comma stays inside.
+        env["RCLONE_AUTH_KEY"] = f'"{self.access_key},{self.secret_key}"'
         self._proc = subprocess.Popen(
             cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )

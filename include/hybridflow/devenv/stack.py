@@ -47,11 +47,7 @@ class DevStack:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def _save(self, path: Path, data: dict, mode: int = 0o644) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".part")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.chmod(mode)
-        tmp.replace(path)
+        write_file(path, json.dumps(data, indent=2), mode)
 
     def _credentials(self, cluster: str) -> tuple[str, str]:
         path = self.dev_dir / "credentials.json"
@@ -91,9 +87,7 @@ class DevStack:
             env[f"AIRFLOW_CONN_{cluster.cache.conn_id.upper()}"] = airflow_conn_uri(access, secret, endpoint)
         self._save(self._services_path(), services)
         lines = [f"export {k}={_shell_quote(v)}" for k, v in sorted(env.items())]
-        self.env_file.parent.mkdir(parents=True, exist_ok=True)
-        self.env_file.write_text("\n".join(lines) + "\n")
-        self.env_file.chmod(0o600)
+        write_file(self.env_file, "\n".join(lines) + "\n", 0o600)  # it holds the cache keys
         return env
 
     def base_env(self) -> dict[str, str]:
@@ -150,3 +144,20 @@ def _shell_quote(value: str) -> str:
     import shlex
 
     return shlex.quote(value)
+
+
+def write_file(path: Path, text: str, mode: int) -> None:
+    """Write ``text`` to ``path`` atomically, the file created with ``mode`` from the start: a
+    secret is never readable by others, not even between a write and a chmod."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # os.open applies the umask; the file gets exactly ``mode``
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(path)
