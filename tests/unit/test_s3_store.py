@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
