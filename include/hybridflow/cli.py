@@ -214,8 +214,11 @@ def cmd_local_exporter(args) -> int:
                                      idle_w=metering.local_idle_w, busy_w=metering.local_busy_w)
     except ValueError as exc:
         raise SystemExit(f"--cluster: {exc}") from exc
+    from hybridflow.signals import stop_on_signals
+
+    stop_on_signals()
     with LocalExporterServer(exporter, host="127.0.0.1", port=args.port) as server:
-        print(f"serving {args.cluster}'s slots at {server.url} (the local stand-in for dcgm-exporter); Ctrl-C stops",
+        print(f"serving {args.cluster}'s slots at {server.url} (the local stand-in for dcgm-exporter); Ctrl-C or SIGTERM stops",
               flush=True)
         try:
             while True:

@@ -118,7 +118,8 @@ def test_only_metrics_path_is_served():
         assert resp.status_code == 404
 
 
-def test_cli_serves_a_local_cluster_until_interrupted(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_cli_serves_a_local_cluster_until_interrupted(tmp_path, stop):
     import os
     import signal
     import socket
@@ -129,15 +130,17 @@ def test_cli_serves_a_local_cluster_until_interrupted(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, HYBRIDFLOW_HOME=str(tmp_path / "home"))
+    # Started as from a background shell: SIGINT ignored, which the child inherits.
     proc = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "local-exporter", "--cluster", "cloud-east",
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert "the local stand-in" in proc.stdout.readline()
         samples = parse_metrics(fetch(f"http://127.0.0.1:{port}/metrics"), cluster="cloud-east",
                                 ts=datetime(2026, 1, 1, tzinfo=UTC))
         assert [s.gpu_model for s in samples] == ["H100-80GB"] * 4 + ["A100-80GB"] * 4
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         assert proc.wait(60) == 0
         proc.stdout.close()
     out = subprocess.run([sys.executable, "-m", "hybridflow.cli", "local-exporter", "--cluster", "nowhere"],

@@ -595,3 +595,25 @@ def test_deploy_checks_its_arguments_before_starting_anything(assets, tmp_path):
                                                         "smoke": (cx, np.zeros_like(cy)),
                                                         "metric": _metric("breast-cancer")})
     assert not state_root.exists()  # nothing was created, let alone started
+
+
+def test_the_gateway_stops_on_sigint_even_when_started_with_it_ignored(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "hybridflow.serving.router", "--state-root", str(tmp_path),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert "gateway http://" in proc.stderr.readline()
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0  # stopped cleanly (socket closed), not left running
+        proc.stderr.close()

@@ -201,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.daemon_threads = True
     print(f"gateway http://{HOST}:{args.port}{MODELS_PREFIX}<endpoint> -> {state_root}/<endpoint>/{ACTIVE_FILE}",
           file=sys.stderr, flush=True)
+    from hybridflow.signals import stop_on_signals
+
+    stop_on_signals()  # also when started with SIGINT ignored (a background shell)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

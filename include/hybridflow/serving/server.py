@@ -277,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "version": args.version})
     print(f"serving {args.endpoint} version {args.version} on http://{args.host}:{port}{MODELS_PREFIX}"
           f"{args.endpoint}", file=sys.stderr, flush=True)
+    from hybridflow.signals import stop_on_signals
+
+    stop_on_signals()  # also when started with SIGINT ignored (a background shell)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
