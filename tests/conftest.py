@@ -21,6 +21,41 @@ os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = os.environ.get(
 )
 os.environ.setdefault("HYBRIDFLOW_CONFIG_DIR", str(REPO / "config"))
 
+# In CI (CI=true) a skip fails the run: a missing service or binary must not make it green. A test
+# that may skip there goes on this list, by node id, with a comment saying why.
+SKIPS_ALLOWED_IN_CI: dict[str, str] = {}
+
+
+_CI_SKIPS: list = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _in_ci() and report.skipped and not hasattr(report, "wasxfail") and report.nodeid not in SKIPS_ALLOWED_IN_CI:
+        _CI_SKIPS.append(report)
+
+
+pytest_collectreport = pytest_runtest_logreport  # a module skipped at import counts too
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _CI_SKIPS and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _CI_SKIPS:
+        return
+    terminalreporter.section("skips are failures in CI", sep="=", red=True, bold=True)
+    for report in _CI_SKIPS:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.line(f"{report.nodeid or report.fspath}: {reason}")
+    terminalreporter.line("install or start what they need (.ci/run does), or allow the skip in tests/conftest.py "
+                          "SKIPS_ALLOWED_IN_CI with the reason")
+
 
 @pytest.fixture(scope="session")
 def rclone_s3(tmp_path_factory):
