@@ -338,6 +338,8 @@ class MeteringSettings(_Model):
     connect_timeout_s: float = Field(default=3.0, gt=0)
     read_timeout_s: float = Field(default=10.0, gt=0)
     retries: int = Field(default=2, ge=0, le=10)
+    # The largest exporter page or Prometheus answer read; a bigger one is refused with an error.
+    max_body_mib: float = Field(default=16, gt=0, le=1024)
     # Prometheus sources: one reading per GPU every step_s within each run's window.
     prometheus_step_s: int = Field(default=60, gt=0)
     # The local stand-in exporter's power model (W at 0 % and 100 % use of a slot).

@@ -211,3 +211,50 @@ def test_cli_prints_samples_as_json(exporter, capsys):
     handler.plan = [(200, "up 1\n")]
     with pytest.raises(SystemExit, match="hybridflow dcgm: .*no DCGM_ series"):
         cli_main(["dcgm", url, "--retries", "0"])
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """An endpoint that streams a page without a Content-Length (delimited by closing)."""
+
+    chunk = (b'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-x",Hostname="n1",modelName="L4"} 1\n' * 900)
+    chunks = 48  # about 3 MiB
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        try:
+            for _ in range(self.chunks):
+                self.wfile.write(self.chunk)
+        except OSError:
+            pass  # the reader gave up: that is the point
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_page_larger_than_the_limit_is_refused_while_reading(exporter):
+    import tracemalloc
+
+    small = ScrapeSettings(connect_timeout_s=1, read_timeout_s=5, retries=0, max_body_bytes=2**20)
+    handler, url = exporter
+    page = "DCGM_FI_DEV_GPU_UTIL 1\n" * 200_000  # about 4.6 MiB, with its Content-Length
+    handler.plan = [(200, page)]
+    with pytest.raises(MalformedMetrics, match=r"more than metering.max_body_mib \(1 MiB\)"):
+        fetch(url, small)
+    assert len(fetch(url, FAST)) == len(page)  # within the default 16 MiB it is read whole
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMetrics, match=r"passed 1 MiB \(metering.max_body_mib\)"):
+            fetch(f"http://127.0.0.1:{server.server_address[1]}/metrics", small)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert peak < 3 * 2**20  # cut off after about 1 MiB, never read whole

@@ -62,7 +62,7 @@ ConnectionLookup = Callable[[str], Endpoint]
 
 def scrape_settings(metering: MeteringSettings, auth: tuple[str, str] | None = None) -> ScrapeSettings:
     return ScrapeSettings(connect_timeout_s=metering.connect_timeout_s, read_timeout_s=metering.read_timeout_s,
-                          retries=metering.retries, auth=auth)
+                          retries=metering.retries, auth=auth, max_body_bytes=int(metering.max_body_mib * 2**20))
 
 
 def source_of(cluster: Cluster, metering: MeteringSettings) -> MeteringCluster | None:

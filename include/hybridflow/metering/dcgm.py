@@ -75,6 +75,9 @@ class ScrapeSettings:
     backoff_s: float = 0.5
     headers: Mapping[str, str] = field(default_factory=dict)
     auth: tuple[str, str] | None = None
+    # The largest answer read (metering.max_body_mib): an endpoint that sends more is refused while
+    # reading, so memory stays a small multiple of this whatever it sends.
+    max_body_bytes: int = 16 * 1024 * 1024
 
 
 def is_blank(value: float) -> bool:
@@ -105,12 +108,29 @@ def http_session(settings: ScrapeSettings) -> requests.Session:
     return session
 
 
+def read_capped(resp: requests.Response, limit: int, url: str) -> bytes:
+    """The response body, refused as soon as it passes ``limit`` bytes (declared or sent)."""
+    declared = resp.headers.get("Content-Length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        resp.close()
+        raise MalformedMetrics(f"{url}: the answer is {int(declared)} bytes, more than metering.max_body_mib "
+                               f"({limit / 2**20:g} MiB); raise it if the page is really that large")
+    body = bytearray()
+    for chunk in resp.iter_content(chunk_size=65536):
+        body += chunk
+        if len(body) > limit:
+            resp.close()
+            raise MalformedMetrics(f"{url}: the answer passed {limit / 2**20:g} MiB (metering.max_body_mib) and was "
+                                   "cut off; raise it if the page is really that large")
+    return bytes(body)
+
+
 def fetch(url: str, settings: ScrapeSettings | None = None) -> str:
     """GET an exporter's metrics page; transient failures are retried with backoff."""
     settings = settings or ScrapeSettings()
     with http_session(settings) as session:
         try:
-            resp = session.get(url, timeout=(settings.connect_timeout_s, settings.read_timeout_s))
+            resp = session.get(url, timeout=(settings.connect_timeout_s, settings.read_timeout_s), stream=True)
         except requests.exceptions.RetryError as exc:
             raise ExporterUnreachable(
                 f"{url}: the exporter kept answering with server errors after {settings.retries} "
@@ -124,12 +144,14 @@ def fetch(url: str, settings: ScrapeSettings | None = None) -> str:
             ) from exc
         except requests.exceptions.RequestException as exc:
             raise ExporterUnreachable(f"{url}: request failed ({exc}); check the URL") from exc
-    if resp.status_code != 200:
-        raise ExporterUnreachable(
-            f"{url}: HTTP {resp.status_code} {resp.reason}; expected 200 with the metrics page "
-            "(dcgm-exporter serves it at /metrics; check the path and the connection's credentials)"
-        )
-    return resp.text
+        with resp:
+            if resp.status_code != 200:
+                raise ExporterUnreachable(
+                    f"{url}: HTTP {resp.status_code} {resp.reason}; expected 200 with the metrics page "
+                    "(dcgm-exporter serves it at /metrics; check the path and the connection's credentials)"
+                )
+            body = read_capped(resp, settings.max_body_bytes, url)
+    return body.decode(resp.encoding or "utf-8", errors="replace")
 
 
 def read_source(source: str, settings: ScrapeSettings | None = None) -> str:

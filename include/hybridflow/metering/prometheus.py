@@ -9,6 +9,7 @@ labels (``honor_labels: true``, the dcgm-exporter chart's default); where Promet
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,7 @@ from hybridflow.metering.dcgm import (
     SampleBuilder,
     ScrapeSettings,
     http_session,
+    read_capped,
 )
 from hybridflow.metering.records import GpuSample
 
@@ -57,15 +59,17 @@ class PrometheusSource:
         url = f"{self.base_url}/api/v1/query_range"
         params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
         try:
-            resp = session.get(url, params=params,
+            resp = session.get(url, params=params, stream=True,
                                timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s))
         except requests.exceptions.RequestException as exc:
             raise ExporterUnreachable(
                 f"{url}: Prometheus did not answer after {self.settings.retries} retries "
                 f"({type(exc).__name__}); check metering.clusters.<name>.prometheus and the connection"
             ) from exc
+        with resp:
+            raw = read_capped(resp, self.settings.max_body_bytes, url)
         try:
-            body = resp.json()
+            body = json.loads(raw)
         except ValueError as exc:
             raise MalformedMetrics(
                 f"{url}: HTTP {resp.status_code}, not a Prometheus API answer (no JSON); is this Prometheus' base URL?"
