@@ -143,6 +143,16 @@ def _tail(path: Path, lines: int = 25, max_lines: int = 80) -> str:
     return "\n".join(text[-lines:])
 
 
+def _last_error(path: Path) -> str | None:
+    """The exception line that ends the last traceback in a worker's log, if it has one."""
+    lines = _tail(path, lines=80).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    after = [line for line in lines[starts[-1]:] if line and not line[0].isspace() and ": " in line]
+    return after[-1].strip() if after else None
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -601,9 +611,13 @@ class LocalGangBackend(GangBackend):
                         exit_code=code,
                         log_tail=tail,
                     )
+                # The first rank to exit is often a peer that lost the collective, not the one that
+                # raised: name every other rank's own error too.
+                causes = "".join(f"\nrank {r} raised: {err}" for r, _ in failed
+                                 if r != rank and (err := _last_error(log_paths[r])))
                 raise GangFailed(
                     f"gang {job.name!r} failed: rank {rank} exited with code {code} (other ranks: {others}). "
-                    f"Log {log_paths[rank]}, last lines:\n{tail}",
+                    f"Log {log_paths[rank]}, last lines:\n{tail}{causes}",
                     rank=rank,
                     exit_code=code,
                     log_tail=tail,

@@ -110,10 +110,13 @@ def http_session(settings: ScrapeSettings) -> requests.Session:
 
 def read_capped(resp: requests.Response, limit: int, url: str) -> bytes:
     """The response body, refused as soon as it passes ``limit`` bytes (declared or sent)."""
-    declared = resp.headers.get("Content-Length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    try:
+        declared = int(resp.headers.get("Content-Length") or 0)
+    except ValueError:
+        declared = 0  # a malformed header: the streamed size still counts
+    if declared > limit:
         resp.close()
-        raise MalformedMetrics(f"{url}: the answer is {int(declared)} bytes, more than metering.max_body_mib "
+        raise MalformedMetrics(f"{url}: the answer is {declared} bytes, more than metering.max_body_mib "
                                f"({limit / 2**20:g} MiB); raise it if the page is really that large")
     body = bytearray()
     for chunk in resp.iter_content(chunk_size=65536):
