@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.unit.train_task import seed_examples, train_task
+from tests.support.train_task import seed_examples, train_task
 
 from hybridflow import pipeline
 from hybridflow.errors import SovereigntyError
 from hybridflow.runs import RunIdentity
 from hybridflow.settings import REPO_ROOT
 
-TRAINING_FNS = Path(__file__).resolve().parents[1] / "unit" / "training_fns"
+TRAINING_FNS = Path(__file__).resolve().parents[1] / "support" / "training_fns"
 
 
 def _estate(tmp_path: Path, monkeypatch, edit=None) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from tests.unit.train_task import seed_examples, train_task
+from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import pid_alive
 from hybridflow.errors import AdmissionError

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.unit.jobs import job_spec, seed_example
-from tests.unit.train_task import seed_examples, train_task
+from tests.support.jobs import job_spec, seed_example
+from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import pid_alive
 from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec

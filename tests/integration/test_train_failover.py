@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.unit.train_task import seed_examples, train_task
+from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import LocalSlotPool
 from hybridflow.settings import REPO_ROOT

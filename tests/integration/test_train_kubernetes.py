@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from tests.unit.k8s_config import as_kubernetes
-from tests.unit.k8s_kubelet import Kubelet
-from tests.unit.k8s_sim import SimCluster, install
-from tests.unit.train_task import seed_examples, train_task
+from tests.support.k8s_config import as_kubernetes
+from tests.support.k8s_kubelet import Kubelet
+from tests.support.k8s_sim import SimCluster, install
+from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.devenv.rclone import airflow_conn_uri
 from hybridflow.settings import REPO_ROOT

@@ -8,9 +8,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def digits_dataset(tmp_path_factory):
-    """The digits dataset in a private folder with its pinned version (:class:`tests.unit.jobs.Seeded`:
+    """The digits dataset in a private folder with its pinned version (:class:`tests.support.jobs.Seeded`:
     ``.folder``, ``.frame(split)``, ``.local_source``, ``.info()``). Tests must not modify it."""
-    from tests.unit.jobs import seed_example
+    from tests.support.jobs import seed_example
 
     return seed_example(tmp_path_factory.mktemp("digits-private"), "digits-mlp")
 
@@ -20,7 +20,7 @@ def trained(digits_dataset, tmp_path_factory):
     """(fp32 bundle folder of digits-mlp, the held-out split as a DataFrame): the registered builder's
     module after plain single-process training on the train split, which clears the registered gate
     (accuracy 0.85) on the held-out split. Tests must not modify either."""
-    from tests.unit import bundles
+    from tests.support import bundles
 
     seeded = digits_dataset
     data = bundles.Data("digits-mlp", seeded.folder, seeded.frame("train"), seeded.frame(seeded.entry.holdout))

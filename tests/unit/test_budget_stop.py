@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.unit.jobs import job_spec
+from tests.support.jobs import job_spec
 
 from hybridflow.backends.local import GangJob, GangPreempted, GangStopped, LocalGangBackend
 from hybridflow.budgets.enforce import stop_interruptible_gangs

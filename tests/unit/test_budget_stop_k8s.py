@@ -11,7 +11,7 @@ from datetime import UTC, date, datetime
 
 import pytest
 from sqlalchemy import create_engine
-from tests.unit.k8s_sim import SimCluster, install_clusters
+from tests.support.k8s_sim import SimCluster, install_clusters
 from urllib3.exceptions import MaxRetryError
 
 from hybridflow.backends.k8s.backend import MISSING, RUNNING, KubernetesGangBackend

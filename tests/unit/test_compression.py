@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from tests.unit.bundles import make_bundle, seed, train
+from tests.support.bundles import make_bundle, seed, train
 
 from hybridflow.bundle import Predictor, read_card, read_weights
 from hybridflow.compression import compress_bundle
@@ -75,7 +75,7 @@ def _overflowing_in_half_precision(bundle, folder):
 
     ReLU layers are positively homogeneous: scaling layer 1 (and layer 2's bias) by a and the output
     layer by 1/a leaves the fp32 outputs as they were."""
-    from tests.unit.bundles import card
+    from tests.support.bundles import card
 
     from hybridflow import bundle as bundles
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.unit.k8s_config import as_kubernetes
+from tests.support.k8s_config import as_kubernetes
 
 from hybridflow.config import load_estate
 from hybridflow.errors import ConfigError

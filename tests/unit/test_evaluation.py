@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.unit.bundles import card, make_bundle, seed, train
+from tests.support.bundles import card, make_bundle, seed, train
 
 from hybridflow.bundle import Predictor, serialise_state, write_bundle
 from hybridflow.evaluation import evaluate_bundle

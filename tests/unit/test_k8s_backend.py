@@ -9,7 +9,7 @@ import asyncio
 import time
 
 import pytest
-from tests.unit.k8s_sim import SimCluster, install
+from tests.support.k8s_sim import SimCluster, install
 
 from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import GANG_LABEL, gang_job_name

@@ -11,7 +11,7 @@ import time
 import jsonschema
 import pytest
 from kubernetes.client.exceptions import ApiException
-from tests.unit.k8s_sim import SimCluster, crd_schema, crd_validator, install
+from tests.support.k8s_sim import SimCluster, crd_schema, crd_validator, install
 
 from hybridflow.backends.base import ClusterLoad, GangJob
 from hybridflow.backends.k8s import load as load_module

@@ -10,7 +10,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from tests.unit.k8s_sim import REFERENCE, crd_schema
+from tests.support.k8s_sim import REFERENCE, crd_schema
 
 from hybridflow.backends.k8s.manifests import (
     GANG_LABEL,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.unit.k8s_config import as_kubernetes
-from tests.unit.k8s_sim import SimCluster, install
+from tests.support.k8s_config import as_kubernetes
+from tests.support.k8s_sim import SimCluster, install
 
 from hybridflow import pipeline
 from hybridflow.backends.base import GangJob

@@ -7,7 +7,7 @@ from datetime import UTC, date, datetime, timedelta
 
 import pytest
 from sqlalchemy import text
-from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import make_record
 
 from hybridflow.budgets.spend import allocated_spend

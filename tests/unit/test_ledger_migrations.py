@@ -10,7 +10,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
-from tests.unit.ledger_db import postgres_engine
+from tests.support.ledger_db import postgres_engine
 
 from hybridflow.budgets.store import BudgetStore
 from hybridflow.budgets.store import metadata as budget_metadata

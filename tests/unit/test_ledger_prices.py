@@ -11,7 +11,7 @@ from datetime import date, timedelta
 import pytest
 from sqlalchemy import create_engine, text
 from tests.reference import PRICE_TABLE
-from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import make_record
 
 from hybridflow.config import load_estate

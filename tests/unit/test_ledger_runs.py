@@ -6,7 +6,7 @@ from datetime import datetime
 
 import pytest
 from sqlalchemy import select, text
-from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 
 from hybridflow.ledger import ingest_run_record
 from hybridflow.ledger.models import Attempt, Run

@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import create_engine, inspect, select, text
-from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 
 from hybridflow.ledger import store_samples, upgrade
 from hybridflow.ledger.models import GpuSampleRow

@@ -10,7 +10,7 @@ import sys
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from tests.unit.ledger_db import PG_SCHEMA, PG_URL, ledger_engine, postgres_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import PG_SCHEMA, PG_URL, ledger_engine, postgres_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import ATTEMPTS, make_record
 
 from hybridflow.errors import ConfigError

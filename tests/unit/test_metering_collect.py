@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.reference import DCGM_SAMPLES
-from tests.unit.k8s_config import as_kubernetes
+from tests.support.k8s_config import as_kubernetes
 
 from hybridflow.config import MeteringSettings, load_estate
 from hybridflow.errors import ConfigError

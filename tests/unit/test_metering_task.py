@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
-from tests.unit.k8s_config import as_kubernetes
+from tests.support.k8s_config import as_kubernetes
 
 from hybridflow.backends import local as local_backend
 from hybridflow.backends.local import GangJob, LocalGangBackend

@@ -8,7 +8,7 @@ import json
 
 import kubernetes_validate
 import pytest
-from tests.unit.k8s_sim import SimCluster, install
+from tests.support.k8s_sim import SimCluster, install
 
 from hybridflow.config import load_estate
 from hybridflow.nodehealth import (

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import select, text
-from tests.unit.ledger_db import ledger_engine  # noqa: F401 (fixture)
+from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 
 from hybridflow.ledger import QueueWait, queue_wait_history, record_queue_wait
 from hybridflow.ledger.models import QueueWaitRow

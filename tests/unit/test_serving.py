@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.unit import bundles
+from tests.support import bundles
 
 from hybridflow import scoring
 from hybridflow.bundle import Predictor, read_card, write_bundle

@@ -130,7 +130,7 @@ class _Store:
 
     def read_namespaced_deployment(self, name, namespace, **kw):
         """As the Deployment controller reports it: pods of a version in ``broken`` never get ready."""
-        from tests.unit.k8s_sim import to_model
+        from tests.support.k8s_sim import to_model
 
         if ("Deployment", name) not in self.objects:
             raise ApiException(status=404, reason="NotFound")
@@ -220,7 +220,7 @@ def test_canary_that_never_gets_ready_is_rolled_back(rollout):
 
 def _bundle(folder: Path, variant: str = "int8", version: str = "v1") -> Path:
     """A digits bundle (untrained weights are enough to load and serve)."""
-    from tests.unit.bundles import card
+    from tests.support.bundles import card
 
     from hybridflow import bundle
 
@@ -298,8 +298,8 @@ def _k8s_serving_estate(tmp_path, monkeypatch):
     import shutil
 
     import yaml
-    from tests.unit.k8s_config import as_kubernetes
-    from tests.unit.train_task import seed_examples
+    from tests.support.k8s_config import as_kubernetes
+    from tests.support.train_task import seed_examples
 
     from hybridflow.settings import REPO_ROOT
 

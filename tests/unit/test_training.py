@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.unit.jobs import held_out_metric, job_spec, seed_example, staged_source
+from tests.support.jobs import held_out_metric, job_spec, seed_example, staged_source
 
 from hybridflow.backends.local import GangFailed, GangJob, GangPreempted, LocalGangBackend, pid_alive
 from hybridflow.storage.objectstore import LocalObjectStore
@@ -27,7 +27,7 @@ from hybridflow.training.context import FINAL_MODEL_KEY, RESULT_KEY, attempt_sta
 
 CLUSTER = "onprem-a"
 # Training functions that break the contract; the workers import them from here (contract_fns.py).
-TRAINING_FNS = Path(__file__).resolve().parent / "training_fns"
+TRAINING_FNS = Path(__file__).resolve().parents[1] / "support" / "training_fns"
 LOG_LINE = re.compile(r"step (\d+) loss \d+\.\d{4} [\d.]+ steps/s")
 
 

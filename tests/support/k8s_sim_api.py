@@ -1,6 +1,6 @@
-"""The API side of the cluster simulator (:mod:`tests.unit.k8s_sim`): fakes of the kubernetes
+"""The API side of the cluster simulator (:mod:`tests.support.k8s_sim`): fakes of the kubernetes
 client's ``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` that answer from a
-:class:`~tests.unit.k8s_sim.SimCluster`, with the client's model objects (dicts for custom
+:class:`~tests.support.k8s_sim.SimCluster`, with the client's model objects (dicts for custom
 objects), ``ApiException`` with real status codes, label selectors, merge patches, and custom
 objects checked against their CRD schemas."""
 
@@ -17,10 +17,10 @@ import yaml
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 from tests.reference import REFERENCE
-from tests.unit import k8s_sim_queues as queues
+from tests.support import k8s_sim_queues as queues
 
 if TYPE_CHECKING:
-    from tests.unit.k8s_sim import SimCluster
+    from tests.support.k8s_sim import SimCluster
 
 GPU = "nvidia.com/gpu"
 

@@ -8,13 +8,13 @@ controller keeps ``parallelism`` pods, recreating evicted ones without counting 
 ``backoffLimit`` (the podFailurePolicy Ignore rule on DisruptionTarget).
 
 It is driven through the same client calls as a real API server: fakes of the kubernetes client's
-``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods (:mod:`tests.unit.k8s_sim_api`), returning the client's own model
+``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods (:mod:`tests.support.k8s_sim_api`), returning the client's own model
 objects (or dicts for custom objects) and raising ``ApiException`` with real status codes; jobs
 can be listed by label selector and patched (merge patch), and ``deleted`` keeps each deleted job
 as it was last. :func:`install` hands them out from ``KubernetesHook``'s client properties
 (:func:`install_clusters`: one simulator per Connection, for an estate of clusters).
 
-The schedulers' own objects are there too (:mod:`tests.unit.k8s_sim_queues`): Volcano Queues and
+The schedulers' own objects are there too (:mod:`tests.support.k8s_sim_queues`): Volcano Queues and
 PodGroups, Kueue ClusterQueues, LocalQueues and Workloads, served by the custom objects API
 (namespaced and cluster-wide get and list, each object valid against its CRD schema, checked on
 every answer). Every call through the fakes is recorded in ``requests`` as (method,
@@ -29,8 +29,8 @@ import time
 import uuid
 
 from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
-from tests.unit import k8s_sim_queues as queues
-from tests.unit.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
+from tests.support import k8s_sim_queues as queues
+from tests.support.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
     FakeBatchV1Api,
     FakeCoreV1Api,
     FakeCustomObjectsApi,

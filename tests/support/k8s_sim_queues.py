@@ -1,4 +1,4 @@
-"""The gang schedulers' queue objects of the cluster simulator (:mod:`tests.unit.k8s_sim`), kept as
+"""The gang schedulers' queue objects of the cluster simulator (:mod:`tests.support.k8s_sim`), kept as
 the real controllers keep them, so the backend's ``load`` reads what a real cluster would show.
 
 Volcano: ``root`` and ``default`` Queues exist from the start (Volcano installs them; queues
