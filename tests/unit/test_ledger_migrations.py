@@ -13,8 +13,8 @@ from sqlalchemy import create_engine, inspect, text
 from tests.support.ledger_db import postgres_engine
 
 from hybridflow.budgets.store import BudgetStore
-from hybridflow.budgets.store import metadata as budget_metadata
 from hybridflow.ledger import upgrade
+from hybridflow.ledger.budget_tables import budget_metadata
 from hybridflow.ledger.models import Base
 
 AT = datetime(2026, 12, 20, 3, 0, tzinfo=UTC)

@@ -5,8 +5,8 @@ One row per (project, period) in ``budget_state`` and one per (project, period, 
 ``budget_notification``; the primary keys make a re-run evaluation update instead of append, and
 make a threshold's notification claimable once.
 
-The tables are defined here for the queries, but created by the ledger's migrations (0002), like every
-other ledger table.
+The tables are the ledger's (hybridflow.ledger.budget_tables, created by its migration 0002); this module
+only queries them, so budgets depend on the ledger and never the other way round.
 """
 
 from __future__ import annotations
@@ -15,48 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import (
-    Boolean,
-    Column,
-    DateTime,
-    Engine,
-    Float,
-    MetaData,
-    String,
-    Table,
-    Text,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-metadata = MetaData()
-
-budget_state = Table(
-    "budget_state",
-    metadata,
-    Column("project", String(128), primary_key=True),
-    Column("period", String(7), primary_key=True),  # YYYY-MM
-    Column("budget_usd", Float, nullable=False),
-    Column("spend_usd", Float, nullable=False),
-    Column("frozen", Boolean, nullable=False, default=False),
-    Column("reason", Text, nullable=True),  # why it is frozen, or what lifted the last freeze
-    Column("frozen_at", DateTime(timezone=True), nullable=True),
-    Column("lifted_at", DateTime(timezone=True), nullable=True),
-    Column("evaluated_at", DateTime(timezone=True), nullable=False),
-)
-
-budget_notification = Table(
-    "budget_notification",
-    metadata,
-    Column("project", String(128), primary_key=True),
-    Column("period", String(7), primary_key=True),
-    Column("threshold", Float, primary_key=True),
-    Column("spend_usd", Float, nullable=False),
-    Column("budget_usd", Float, nullable=False),
-    Column("sent_at", DateTime(timezone=True), nullable=False),
-)
+from hybridflow.ledger.budget_tables import budget_metadata as metadata  # noqa: F401 (re-exported)
+from hybridflow.ledger.budget_tables import budget_notification, budget_state
 
 
 @dataclass(frozen=True)

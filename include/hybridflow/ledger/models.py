@@ -1,6 +1,6 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
 allocations), how long gangs waited for admission (queue_waits). Budget state lives in the same
-database, in tables defined by hybridflow.budgets.store and created by migration 0002."""
+database, in hybridflow.ledger.budget_tables (created by migration 0002)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from hybridflow.budgets.store import metadata as budget_metadata
+from hybridflow.ledger.budget_tables import budget_metadata
 from hybridflow.ledger.models import Base
 
 # Its own version table, so the ledger can share a database with Airflow's metadata.

@@ -3,7 +3,7 @@
 Revision ID: 0002
 Revises: 0001
 
-The budget state (hybridflow.budgets.store) used to create these two tables itself, so a ledger made
+The budget state (now hybridflow.ledger.budget_tables) used to create these two tables itself, so a ledger made
 by an earlier version may be at 0001 and already hold them: a table that exists is left as it is.
 """
 
