@@ -28,7 +28,7 @@ CLEARED = "evaluate"  # cleared from the UI; it and its downstream tasks run aga
 
 try:
     from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - requirements.txt has it
+except ImportError:  # pragma: no cover - requirements-dev.txt has it
     sync_playwright = None
 
 
