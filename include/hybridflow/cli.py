@@ -25,12 +25,20 @@ from pathlib import Path
 DAG_ID = "hybrid_training"
 
 
+def _scripts_dir() -> Path:
+    """Where this interpreter's console scripts are (the virtualenv's bin), activated or not."""
+    return Path(sys.executable).parent
+
+
 def _airflow() -> str:
-    return str(Path(sys.executable).parent / "airflow")
+    return str(_scripts_dir() / "airflow")
 
 
 def _prepare(stack) -> dict[str, str]:
     env = {**os.environ, **stack.up()}
+    # Airflow starts its components (and task processes) as `airflow ...` found on PATH: the scripts
+    # next to this interpreter come first, so a shell without the virtualenv on PATH works too.
+    env["PATH"] = os.pathsep.join([str(_scripts_dir()), *filter(None, env.get("PATH", "").split(os.pathsep))])
     log = stack.dev_dir / "airflow-db-migrate.log"
     with open(log, "wb") as fh:
         done = subprocess.run([_airflow(), "db", "migrate"], env=env, stdout=fh, stderr=subprocess.STDOUT)
