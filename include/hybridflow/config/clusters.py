@@ -1,0 +1,121 @@
+"""``clusters.yaml``: clusters, their node pools, prices, caches and checkpoint places."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PrivateAttr
+
+from hybridflow.config.base import _Model
+
+PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
+
+
+class NodePool(_Model):
+    name: str = Field(min_length=1)
+    gpu_model: str = Field(min_length=1)
+    gpu_memory_gib: int = Field(gt=0)
+    gpus: int = Field(gt=0)
+    rdma: bool = False
+    spot: bool = False
+    # Billing class of the pool when it is not the cluster's default (onprem on private clusters,
+    # spot or on_demand on public ones): e.g. reserved capacity bought for a term.
+    pricing: PricingClass | None = None
+    # Kubernetes only: node labels that select this pool's nodes (nodeSelector of gang pods).
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class CacheConfig(_Model):
+    conn_id: str = Field(min_length=1)
+    bucket: str = Field(min_length=1)
+
+
+# Where a run's checkpoints can live: private storage, the cluster's cloud cache bucket, or the
+# cluster's scratch (parallel) filesystem.
+CheckpointPlace = Literal["private", "cache", "scratch"]
+
+
+class Cluster(_Model):
+    location: Literal["private", "public"]
+    region: str = Field(min_length=1)
+    # The legal area the region is in (e.g. eu, us): a dataset's ``regions`` may name either.
+    jurisdiction: str | None = Field(default=None, min_length=1)
+    backend: Literal["local", "kubernetes"] = "local"
+    conn_id: str | None = None  # kubernetes only: the Airflow Connection holding the kubeconfig
+    scheduler: Literal["volcano", "kueue"] | None = None  # kubernetes only: the gang scheduler
+    namespace: str | None = Field(default=None, min_length=1)  # kubernetes only (default "hybridflow")
+    # kubernetes only: the training image (hybridflow and torch installed) every gang worker runs.
+    image: str | None = Field(default=None, min_length=1)
+    # kubernetes only: PersistentVolumeClaim of the cluster's scratch filesystem, mounted at scratch_dir.
+    scratch_claim: str | None = Field(default=None, min_length=1)
+    node_pools: list[NodePool] = Field(min_length=1)
+    prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
+    cache: CacheConfig | None = None
+    # The latest checkpoints are kept in two places: the worker commits to checkpoint_store first,
+    # then replicates to checkpoint_replica (default: private storage, or scratch if the primary is
+    # private storage).
+    checkpoint_store: CheckpointPlace = "private"
+    checkpoint_replica: CheckpointPlace | None = None
+    # The cluster's scratch filesystem: absolute, or relative to HYBRIDFLOW_HOME (default scratch/<cluster>).
+    scratch_dir: str | None = Field(default=None, min_length=1)
+
+    _name: str = PrivateAttr(default="")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def is_private(self) -> bool:
+        return self.location == "private"
+
+    @property
+    def areas(self) -> tuple[str, ...]:
+        """The names a dataset's ``regions`` can allow this cluster by: its region and jurisdiction."""
+        return (self.region,) if self.jurisdiction is None else (self.region, self.jurisdiction)
+
+    @property
+    def k8s_namespace(self) -> str:
+        """Namespace of the cluster's gang jobs (kubernetes backend)."""
+        return self.namespace or "hybridflow"
+
+    @property
+    def checkpoint_places(self) -> tuple[CheckpointPlace, CheckpointPlace]:
+        """(primary, replica) places of the cluster's training checkpoints."""
+        default = "scratch" if self.checkpoint_store == "private" else "private"
+        return self.checkpoint_store, self.checkpoint_replica or default
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(p.gpus for p in self.node_pools)
+
+    @property
+    def gpu_models(self) -> list[str]:
+        return sorted({p.gpu_model for p in self.node_pools})
+
+    def gpus_of(self, model: str, spot: bool | None = None) -> int:
+        """GPUs of ``model``; ``spot`` None counts every pool, True/False only spot/non-spot pools."""
+        return sum(
+            p.gpus for p in self.node_pools if p.gpu_model == model and (spot is None or p.spot == spot)
+        )
+
+    def pool(self, name: str) -> NodePool:
+        for p in self.node_pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"cluster {self.name!r} has no node pool {name!r}")
+
+    def pricing_class(self, pool: NodePool) -> PricingClass:
+        if pool.pricing is not None:
+            return pool.pricing
+        if self.is_private:
+            return "onprem"
+        return "spot" if pool.spot else "on_demand"
+
+    def price_of(self, pool: NodePool) -> float:
+        """USD per GPU-hour on ``pool``; load_estate guarantees the class has a price."""
+        return self.prices[self.pricing_class(pool)]
+
+
+class ClustersFile(_Model):
+    clusters: dict[str, Cluster] = Field(min_length=1)
