@@ -5,21 +5,28 @@ same code runs against a local folder (private storage), ``rclone serve s3``, Mi
 A :class:`StoreSpec` is the serialisable description handed to worker processes; credentials
 travel separately through the environment (:meth:`StoreSpec.credential_env`), never in argv,
 files or logs.
+
+What only some stores can do is declared, not probed: a store class names the capabilities it
+has among its bases (:class:`VerifiedPut`, :class:`MultipartUploads`, ...) and callers check them
+with ``isinstance``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 ACCESS_KEY_ENV = "HYBRIDFLOW_STORE_ACCESS_KEY"
 SECRET_KEY_ENV = "HYBRIDFLOW_STORE_SECRET_KEY"
+SESSION_TOKEN_ENV = "HYBRIDFLOW_STORE_SESSION_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,108 @@ class ObjectStore(Protocol):
     def delete(self, key: str) -> None: ...
 
 
+# -- optional capabilities ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartReceipt:
+    """What the store answered for one uploaded part: its ETag and the CRC32C sent with it
+    (CompleteMultipartUpload names both)."""
+
+    etag: str
+    crc32c: str | None = None
+
+
+class VerifiedPut(ABC):
+    """Writes the store checks: the answer's ETag is compared with the MD5 of the bytes sent."""
+
+    @abstractmethod
+    def put_verified(
+        self, key: str, data: Any, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
+    ) -> str:
+        """Write ``data`` (bytes or a seekable file) and return the stored object's ETag; raises
+        ValueError when the store answers for other bytes than ``md5``."""
+
+
+class ChunkedPut(ABC):
+    """Writes streamed from an iterable of chunks, committed atomically."""
+
+    @abstractmethod
+    def put_chunks(self, key: str, chunks: Iterable[bytes]) -> tuple[int, str]:
+        """Returns (size, sha256) of what was written."""
+
+
+class ObjectStat(ABC):
+    """One request for an object's size and ETag."""
+
+    @abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and ETag of ``key``, or None when it does not exist."""
+
+
+class PagedListing(ABC):
+    """Listings that are network requests of ``list_page_size`` keys each, so listing many
+    prefixes in parallel pays off."""
+
+    @property
+    @abstractmethod
+    def list_page_size(self) -> int: ...
+
+
+class MultipartUploads(ObjectStat, ABC):
+    """Resumable uploads in verified parts."""
+
+    @abstractmethod
+    def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
+        """Returns the new upload's id."""
+
+    @abstractmethod
+    def upload_part(self, key: str, upload_id: str, number: int, data: Any, *, md5: str) -> PartReceipt: ...
+
+    @abstractmethod
+    def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, PartReceipt]]) -> str:
+        """Returns the object's ETag."""
+
+    @abstractmethod
+    def abort_multipart(self, key: str, upload_id: str) -> None: ...
+
+    @abstractmethod
+    def multipart_uploads(self, prefix: str = "") -> list[dict[str, Any]]:
+        """Unfinished uploads under ``prefix``: key, upload_id, initiated (POSIX s or None)."""
+
+    @abstractmethod
+    def uploaded_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, PartReceipt]]:
+        """part number -> (size, receipt) of the parts held for an unfinished upload."""
+
+
+class NativeFilePut(ABC):
+    """Local files sent without Python reading them (the AWS CRT), answered on another thread."""
+
+    @abstractmethod
+    def put_file_nowait(
+        self, key: str, path: str, *, size: int, md5: str, sha256: str | None = None,
+        metadata: dict[str, str] | None = None, done: Callable[[str | None, BaseException | None], None],
+    ) -> bool:
+        """Start the upload; False (nothing sent) where the store cannot at the moment."""
+
+
+class PartialSweep(ABC):
+    """Stores whose interrupted writes leave files behind that listings do not show."""
+
+    @abstractmethod
+    def sweep_partials(self, prefix: str = "", *, older_than_s: float = 3600.0) -> int:
+        """Delete leftovers older than ``older_than_s``; returns how many went."""
+
+
 @dataclass(frozen=True)
 class StoreSpec:
-    """Where a store lives: ``kind`` is ``local`` (``root``) or ``s3`` (``bucket``, ``endpoint_url``)."""
+    """Where a store lives: ``kind`` is ``local`` (``root``) or ``s3`` (``bucket``, ``endpoint_url``).
+
+    An s3 spec names its credentials one of three ways: keys (``access_key``/``secret_key``, with
+    ``session_token`` for temporary ones), a ``session`` factory (an Airflow Connection's: keys,
+    an assumed role or web identity, refreshed as they expire), or neither: boto3's default chain
+    (environment, shared config, web identity/IRSA, instance profile) of the process that opens it.
+    """
 
     kind: str
     root: str | None = None
@@ -72,6 +178,9 @@ class StoreSpec:
     # Credentials are not part of the spec's serialised form.
     access_key: str | None = field(default=None, repr=False, compare=False)
     secret_key: str | None = field(default=None, repr=False, compare=False)
+    session_token: str | None = field(default=None, repr=False, compare=False)
+    # Returns a new boto3 Session each call; used in this process only (children get the keys).
+    session: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, str | None]:
         return {
@@ -95,13 +204,18 @@ class StoreSpec:
             region=data.get("region") or "us-east-1",
             access_key=env.get(ACCESS_KEY_ENV),
             secret_key=env.get(SECRET_KEY_ENV),
+            session_token=env.get(SESSION_TOKEN_ENV),
         )
 
     def credential_env(self) -> dict[str, str]:
-        """Environment entries a child process needs to open this store."""
+        """Environment entries a child process needs to open this store (none for the default
+        chain: the child resolves its own)."""
         if self.kind != "s3" or not self.access_key:
             return {}
-        return {ACCESS_KEY_ENV: self.access_key, SECRET_KEY_ENV: self.secret_key or ""}
+        env = {ACCESS_KEY_ENV: self.access_key, SECRET_KEY_ENV: self.secret_key or ""}
+        if self.session_token:
+            env[SESSION_TOKEN_ENV] = self.session_token
+        return env
 
     @property
     def uri(self) -> str:
@@ -114,16 +228,7 @@ class StoreSpec:
         sub = sub_prefix.strip("/")
         if self.kind == "local":
             return StoreSpec(kind="local", root=str(Path(self.root or ".") / sub))
-        prefix = f"{self.prefix.strip('/')}/{sub}".strip("/")
-        return StoreSpec(
-            kind="s3",
-            bucket=self.bucket,
-            prefix=prefix,
-            endpoint_url=self.endpoint_url,
-            region=self.region,
-            access_key=self.access_key,
-            secret_key=self.secret_key,
-        )
+        return dataclasses.replace(self, prefix=f"{self.prefix.strip('/')}/{sub}".strip("/"))
 
 
 def open_store(spec: StoreSpec) -> ObjectStore:
@@ -136,7 +241,7 @@ def open_store(spec: StoreSpec) -> ObjectStore:
     raise ValueError(f"store kind {spec.kind!r} is not supported; use 'local' or 's3'")
 
 
-class LocalObjectStore:
+class LocalObjectStore(VerifiedPut, ChunkedPut, PartialSweep):
     """A folder used as an object store. Writes land in a temp file and are renamed into place,
     so a reader never sees a half-written object."""
 

@@ -25,51 +25,47 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.storage.objectstore import ObjectInfo, StoreSpec
+from hybridflow.storage.objectstore import ObjectInfo, PagedListing, PartReceipt, StoreSpec, VerifiedPut
+from hybridflow.storage.s3_checks import (
+    NOT_SUPPORTED,
+    PRECONDITION_FAILED,
+    ResendVerified,
+    b64,
+    check_etag,
+    clean_etag,
+    crc32c_b64,
+    error_code,
+    is_md5_etag,
+    is_not_found,
+    md5_hex,
+    status,
+)
+from hybridflow.storage.s3_multipart import S3Multipart
+from hybridflow.storage.s3_native import S3NativeUploads
+from hybridflow.storage.s3_session import SessionFactory
+from hybridflow.storage.s3_session import fast_timestamp as _fast_timestamp
+
+# Names other modules and tests import from here.
+_check_etag = check_etag
+__all__ = ["PartReceipt", "ResendVerified", "S3ObjectStore", "_check_etag", "_fast_timestamp"]
 
 _MiB = 1024 * 1024
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
-_PRECONDITION_FAILED = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
-_NOT_SUPPORTED = {"501", "NotImplemented"}
 
 
-def _error_code(exc: Exception) -> str:
-    response = getattr(exc, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
-
-
-def _status(exc: Exception) -> int:
-    response = getattr(exc, "response", None) or {}
-    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
-def _is_not_found(exc: Exception) -> bool:
-    return _error_code(exc) in _NOT_FOUND or _status(exc) == 404
-
-
-def _fast_timestamp(value: str):
-    """ISO-8601 timestamps (every LastModified in a listing) without dateutil, which costs ~40 us
-    each and dominated the CPU of listing 100k objects; other forms go to botocore's parser."""
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(value)
-    except (TypeError, ValueError):
-        from botocore.utils import parse_timestamp
-
-        return parse_timestamp(value)
-
-
-class S3ObjectStore:
+class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
     """An S3 bucket (optionally under ``prefix``) as an object store.
 
     One boto3 client serves every thread (low-level clients are thread-safe; only sessions are
     not), with a connection pool sized for ``max_pool_connections`` concurrent requests: a
     client per thread would cost ~60 ms of CPU each and its own pool.
+
+    Credentials: ``access_key``/``secret_key`` (with ``session_token`` for temporary keys), or
+    ``session``, a factory of boto3 Sessions (:class:`~hybridflow.hooks.object_store.ObjectStoreHook`
+    passes the Amazon provider's, which assumes roles and refreshes them), or neither: boto3's
+    default chain. The client is created once, on first use, from one new Session.
     """
 
     list_page_size = 1000  # keys per ListObjectsV2 request (the S3 maximum)
@@ -83,6 +79,8 @@ class S3ObjectStore:
         region: str = "us-east-1",
         access_key: str | None = None,
         secret_key: str | None = None,
+        session_token: str | None = None,
+        session: SessionFactory | None = None,
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         max_attempts: int = 5,
@@ -102,8 +100,11 @@ class S3ObjectStore:
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url or None
         self.region = region or "us-east-1"
+        # Keys (or none: boto3's default chain), or a factory of boto3 Sessions (see s3_session).
         self._access_key = access_key
         self._secret_key = secret_key
+        self._session_token = session_token
+        self._session_factory = session
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._max_attempts = max_attempts
@@ -141,6 +142,8 @@ class S3ObjectStore:
             region=spec.region,
             access_key=spec.access_key,
             secret_key=spec.secret_key,
+            session_token=spec.session_token,
+            session=spec.session,
             **kwargs,
         )
 
@@ -154,6 +157,8 @@ class S3ObjectStore:
             region=self.region,
             access_key=self._access_key,
             secret_key=self._secret_key,
+            session_token=self._session_token,
+            session=self._session_factory,
         )
 
     @property
@@ -175,39 +180,19 @@ class S3ObjectStore:
         return self._client
 
     def _make_client(self):
-        import boto3
-        import botocore.session
-        from botocore.config import Config
+        from hybridflow.storage.s3_session import ClientSettings, keys_session, make_client
 
-        config = Config(
-            region_name=self.region,
-            connect_timeout=self._connect_timeout,
-            read_timeout=self._read_timeout,
-            retries={"max_attempts": self._max_attempts, "mode": "standard"},
-            # Path-style: rclone/MinIO on an IP:port cannot serve virtual-host buckets. No SigV4
-            # payload hash: every PUT here carries Content-MD5 instead (which stores do check;
-            # rclone does not check the signed payload hash), and over plain HTTP botocore would
-            # otherwise SHA-256 every byte a second time.
-            s3={"addressing_style": "path", "payload_signing_enabled": False},
-            request_checksum_calculation=self._checksums,
-            response_checksum_validation=self._checksums,
+        if self._session_factory is not None:
+            session = self._session_factory()
+        else:
+            session = keys_session(self._access_key, self._secret_key, self._session_token, self.region)
+        settings = ClientSettings(
+            region=self.region, connect_timeout=self._connect_timeout, read_timeout=self._read_timeout,
+            max_attempts=self._max_attempts, checksums=self._checksums,
             max_pool_connections=self._max_pool_connections,
         )
-        core = botocore.session.get_session()
-        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_fast_timestamp)
-        session = boto3.session.Session(
-            aws_access_key_id=self._access_key,
-            aws_secret_access_key=self._secret_key,
-            region_name=self.region,
-            botocore_session=core,
-        )
-        client = session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        client = make_client(session, self.endpoint_url, settings)
         self._boto_session = session
-        # No "Expect: 100-continue" on PUTs: it costs a round trip per request (most of the time
-        # of a small object on a fast link) to save a body that an error answer would discard.
-        from botocore.handlers import add_expect_header
-
-        client.meta.events.unregister("before-call.s3", add_expect_header)
         return client
 
     @property
@@ -245,7 +230,7 @@ class S3ObjectStore:
             self.client.head_bucket(Bucket=self.bucket)
             return False
         except ClientError as exc:
-            if not _is_not_found(exc):
+            if not is_not_found(exc):
                 raise
         kwargs: dict[str, Any] = {"Bucket": self.bucket}
         if self.region != "us-east-1":
@@ -255,7 +240,7 @@ class S3ObjectStore:
             return True
         except ClientError as exc:
             # Lost a creation race (or rclone's answer for an existing bucket): confirm access.
-            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
             self.client.head_bucket(Bucket=self.bucket)
             return False
@@ -263,24 +248,24 @@ class S3ObjectStore:
     # -- ObjectStore ---------------------------------------------------------------------------
 
     def put_bytes(self, key: str, data: bytes, *, metadata: dict[str, str] | None = None) -> None:
-        self.put_verified(key, data, md5=_md5_hex(data), metadata=metadata)
+        self.put_verified(key, data, md5=md5_hex(data), metadata=metadata)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError
 
         if self.exists(key):
             return False
-        md5 = _md5_hex(data)
+        md5 = md5_hex(data)
         if self._conditional_put is not False:
             try:
                 self._put(key, data, md5=md5, extra={"IfNoneMatch": "*"})
                 self._conditional_put = True
                 return True
             except ClientError as exc:
-                code = _error_code(exc)
-                if code in _PRECONDITION_FAILED or _status(exc) == 412:
+                code = error_code(exc)
+                if code in PRECONDITION_FAILED or status(exc) == 412:
                     return False  # someone created it between our HEAD and PUT
-                if code not in _NOT_SUPPORTED and _status(exc) != 501:
+                if code not in NOT_SUPPORTED and status(exc) != 501:
                     raise
                 self._conditional_put = False
         self._put(key, data, md5=md5)
@@ -320,7 +305,7 @@ class S3ObjectStore:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
             raise
         with response["Body"] as body:
@@ -336,7 +321,7 @@ class S3ObjectStore:
                 Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
             )
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
             raise
         with response["Body"] as body:
@@ -351,7 +336,7 @@ class S3ObjectStore:
             # s3transfer downloads into a temp name and renames, so no half-written file remains.
             self.client.download_file(self.bucket, self._key(key), str(path), Config=self.transfer_config)
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
             raise
 
@@ -371,21 +356,21 @@ class S3ObjectStore:
         if hasattr(data, "seek"):
             data.seek(0)  # a streamed body sent again (see below) starts from its first byte
         if sha256:
-            kwargs["ChecksumSHA256"] = _b64(sha256)
+            kwargs["ChecksumSHA256"] = b64(sha256)
         else:
-            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+            kwargs["ChecksumCRC32C"] = crc32c_b64(data)
         if self.content_md5:
-            kwargs["ContentMD5"] = _b64(md5)
+            kwargs["ContentMD5"] = b64(md5)
         response = self.client.put_object(
             Bucket=self.bucket, Key=self._key(key), Body=data, **kwargs, **self._extra_args(metadata)
         )
-        etag = _clean_etag(response.get("ETag")) or ""
-        if not self.content_md5 and not _is_md5_etag(etag):
+        etag = clean_etag(response.get("ETag")) or ""
+        if not self.content_md5 and not is_md5_etag(etag):
             # This store's ETags are not MD5s: send this object again under Content-MD5 so the store
             # itself checks it, and every later one too.
             self.content_md5 = True
             return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata, extra=extra)
-        return _check_etag(etag, md5, key)
+        return check_etag(etag, md5, key)
 
     def put_verified(
         self, key: str, data, *, md5: str, sha256: str | None = None, metadata: dict[str, str] | None = None
@@ -395,162 +380,6 @@ class S3ObjectStore:
         a CRC32C header would cost a read of the whole file before sending it)."""
         return self._put(key, data, md5=md5, sha256=sha256, metadata=metadata)
 
-    def crt_putter(self):
-        """The store's :class:`~hybridflow.storage.crt.CrtPutter` (created on first use), or None
-        where it cannot serve: awscrt missing, switched off, no credentials, or Content-MD5 mode
-        (the ETags of this store are not MD5s, so every write must be checked by the store)."""
-        from hybridflow.storage.crt import CrtPutter, crt_available
-
-        if not self._crt_wanted or self.content_md5 or not crt_available():
-            return None
-        import os
-
-        putter = self._crt
-        if putter is None or putter.pid != os.getpid():
-            # Outside the lock: the client property takes the same (non-reentrant) lock.
-            self.client  # noqa: B018 -- resolves the session and its credentials
-            with self._client_lock:
-                if self._crt is None or self._crt.pid != os.getpid():
-                    creds = self._boto_session.get_credentials() if self._boto_session else None
-                    if creds is None:
-                        self._crt_wanted = False
-                        return None
-
-                    def credentials(creds=creds) -> tuple[str, str, str | None]:
-                        frozen = creds.get_frozen_credentials()
-                        return frozen.access_key, frozen.secret_key, frozen.token
-
-                    self._crt = CrtPutter(
-                        bucket=self.bucket, endpoint_url=self.endpoint_url, region=self.region,
-                        credentials=credentials, connect_timeout_s=self._connect_timeout,
-                        max_attempts=self._max_attempts,
-                    )
-                putter = self._crt
-        return putter
-
-    def put_file_nowait(
-        self, key: str, path: str, *, size: int, md5: str, sha256: str | None = None,
-        metadata: dict[str, str] | None = None, done,
-    ) -> bool:
-        """Start PutObject of a local file through the CRT; False (nothing sent) where the store
-        cannot (see :meth:`crt_putter`): use :meth:`put_verified`. ``done(etag, error)`` is called
-        once from a CRT thread; ``error`` is a ValueError when the ETag contradicts ``md5``, and
-        :class:`ResendVerified` when the store's ETags turn out not to be MD5s."""
-        putter = self.crt_putter()
-        if putter is None:
-            return False
-        for observe in self.crt_observers:
-            observe("PutObject", "PUT", size)
-
-        def checked(etag: str | None, error: BaseException | None) -> None:
-            if error is None:
-                etag = _clean_etag(etag) or ""
-                if not _is_md5_etag(etag):
-                    self.content_md5 = True  # and from now on every write goes through botocore
-                    error = ResendVerified(f"{key}: the store's ETag {etag!r} is not an MD5")
-                else:
-                    try:
-                        etag = _check_etag(etag, md5, key)
-                    except ValueError as exc:
-                        error = exc
-            done(None if error else etag, error)
-
-        putter.put_file(self._key(key), str(path), size=size, sha256=sha256, metadata=metadata, done=checked)
-        return True
-
-    def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
-        from botocore.exceptions import ClientError
-
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), **self._extra_args(metadata)}
-        if self._part_checksums is not False:
-            try:
-                upload_id = self.client.create_multipart_upload(**kwargs, ChecksumAlgorithm="CRC32C")["UploadId"]
-                self._part_checksums = True
-                return upload_id
-            except ClientError as exc:
-                if _error_code(exc) not in ("InvalidArgument", "InvalidRequest", "NotImplemented", "501"):
-                    raise
-                self._part_checksums = False  # an older store: parts go up with Content-MD5 alone
-                self.content_md5 = True
-        return self.client.create_multipart_upload(**kwargs)["UploadId"]
-
-    def upload_part(self, key: str, upload_id: str, number: int, data, *, md5: str) -> PartReceipt:
-        """Upload one part (``data``: bytes, or a seekable file botocore can re-read on retry)."""
-        kwargs: dict[str, Any] = {}
-        crc = None
-        if self._part_checksums is not False:
-            crc = _crc32c_b64(data)
-            kwargs["ChecksumCRC32C"] = crc
-        if self.content_md5:
-            kwargs["ContentMD5"] = _b64(md5)
-        if hasattr(data, "seek"):
-            data.seek(0)
-        response = self.client.upload_part(
-            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number, Body=data, **kwargs
-        )
-        etag = _clean_etag(response.get("ETag")) or ""
-        if not self.content_md5 and not _is_md5_etag(etag):
-            self.content_md5 = True
-            return self.upload_part(key, upload_id, number, data, md5=md5)
-        return PartReceipt(_check_etag(etag, md5, f"{key} part {number}"), crc)
-
-    def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, PartReceipt]]) -> str:
-        listed = []
-        for n, receipt in sorted(parts):
-            part: dict[str, Any] = {"PartNumber": n, "ETag": f'"{receipt.etag}"'}
-            if receipt.crc32c:
-                part["ChecksumCRC32C"] = receipt.crc32c
-            listed.append(part)
-        response = self.client.complete_multipart_upload(
-            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, MultipartUpload={"Parts": listed}
-        )
-        return _clean_etag(response.get("ETag")) or ""
-
-    def abort_multipart(self, key: str, upload_id: str) -> None:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
-        except ClientError as exc:
-            if _error_code(exc) not in ("NoSuchUpload", "404"):
-                raise
-
-    def multipart_uploads(self, prefix: str = "") -> list[dict[str, Any]]:
-        """Unfinished multipart uploads under ``prefix``: key, upload_id, initiated (POSIX s)."""
-        full_prefix = f"{self.prefix}/{prefix.lstrip('/')}" if self.prefix else prefix.lstrip("/")
-        from botocore.exceptions import ClientError
-
-        found: list[dict[str, Any]] = []
-        paginator = self.client.get_paginator("list_multipart_uploads")
-        try:
-            pages = list(paginator.paginate(Bucket=self.bucket, Prefix=full_prefix))
-        except ClientError as exc:
-            # rclone v1.75.2 answers NoSuchUpload for a bucket that never had a multipart upload.
-            if _error_code(exc) == "NoSuchUpload":
-                return []
-            raise
-        for page in pages:
-            for up in page.get("Uploads", []):
-                initiated = up.get("Initiated")
-                found.append(
-                    {
-                        "key": self._rel(up["Key"]),
-                        "upload_id": up["UploadId"],
-                        "initiated": initiated.timestamp() if hasattr(initiated, "timestamp") else None,
-                    }
-                )
-        return found
-
-    def uploaded_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, PartReceipt]]:
-        """part number -> (size, receipt) of the parts a store holds for an unfinished upload."""
-        parts: dict[int, tuple[int, PartReceipt]] = {}
-        paginator = self.client.get_paginator("list_parts")
-        for page in paginator.paginate(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id):
-            for part in page.get("Parts", []):
-                receipt = PartReceipt(_clean_etag(part.get("ETag")) or "", part.get("ChecksumCRC32C"))
-                parts[int(part["PartNumber"])] = (int(part["Size"]), receipt)
-        return parts
-
     def stat(self, key: str) -> ObjectInfo | None:
         """Size and ETag of ``key`` (one HEAD), or None when it does not exist."""
         from botocore.exceptions import ClientError
@@ -558,10 +387,10 @@ class S3ObjectStore:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 return None
             raise
-        return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=_clean_etag(head.get("ETag")))
+        return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=clean_etag(head.get("ETag")))
 
     def metadata(self, key: str) -> dict[str, str]:
         """User metadata of ``key`` with lower-cased names (rclone capitalises them)."""
@@ -570,7 +399,7 @@ class S3ObjectStore:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 raise FileNotFoundError(f"{self.uri}/{key} does not exist") from exc
             raise
         return {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}
@@ -589,63 +418,9 @@ class S3ObjectStore:
                 yield ObjectInfo(
                     key=self._rel(obj["Key"]),
                     size=int(obj["Size"]),
-                    etag=_clean_etag(obj.get("ETag")),
-                    last_modified=modified.timestamp() if hasattr(modified, "timestamp") else None,
+                    etag=clean_etag(obj.get("ETag")),
+                    last_modified=modified.timestamp() if modified is not None else None,
                 )
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-
-
-def _md5_hex(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.md5(data, usedforsecurity=False).hexdigest()
-
-
-def _b64(hex_digest: str) -> str:
-    import base64
-
-    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
-
-
-class ResendVerified(Exception):
-    """A CRT upload whose answer could not be checked by its ETag: send it with put_verified."""
-
-
-@dataclass(frozen=True)
-class PartReceipt:
-    """What the store answered for one uploaded part: its ETag and the CRC32C we sent with it
-    (CompleteMultipartUpload names both)."""
-
-    etag: str
-    crc32c: str | None = None
-
-
-def _crc32c_b64(data) -> str:
-    import base64
-    import struct
-
-    import crc32c
-
-    if hasattr(data, "getbuffer"):
-        data = data.getbuffer()
-    return base64.b64encode(struct.pack(">I", crc32c.crc32c(data))).decode()
-
-
-def _is_md5_etag(etag: str) -> bool:
-    return len(etag) == 32 and all(c in "0123456789abcdef" for c in etag.lower())
-
-
-def _check_etag(etag: str | None, md5: str, what: str) -> str:
-    etag = _clean_etag(etag) or ""
-    # A 32-hex ETag is the MD5 of the bytes stored; anything else (SSE-KMS) was still checked by
-    # the store against Content-MD5.
-    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag.lower()) and etag.lower() != md5:
-        raise ValueError(f"the store answered ETag {etag} for {what}, whose MD5 is {md5}: the bytes were changed")
-    return etag
-
-
-def _clean_etag(etag: str | None) -> str | None:
-    # AWS quotes ETags; rclone's listing does not.
-    return etag.strip('"') if etag else None
