@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,18 @@ class DatasetSource(Protocol):
     def read(self, rel: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
 
+class LocalFiles(ABC):
+    """A source whose files lie on this machine: read into caller buffers, sent by path."""
+
+    @abstractmethod
+    def local_path(self, rel: str) -> str:
+        """The file's path on this machine (the CRT reads small files itself)."""
+
+    @abstractmethod
+    def readinto(self, rel: str, offset: int, buf) -> int:
+        """Fill ``buf`` from byte ``offset`` of the file; returns the bytes read (fewer at its end)."""
+
+
 def skipped(rel: str) -> bool:
     # Dot-files and *.part are in-flight writes (atomic writers rename them into place), not dataset content.
     return any(p.startswith(".") for p in rel.split("/")) or rel.endswith(".part")
@@ -72,7 +85,7 @@ def _digest_stream(chunks: Iterator[bytes], with_md5: bool) -> tuple[int, str, s
     return size, sha.hexdigest(), md5.hexdigest() if md5 is not None else None
 
 
-class LocalFolderSource:
+class LocalFolderSource(LocalFiles):
     """A dataset folder in private storage."""
 
     def __init__(self, path: Path, *, name: str | None = None, uri: str | None = None) -> None:
