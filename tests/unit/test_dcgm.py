@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -116,13 +117,18 @@ def test_lowercase_labels_blank_sentinel_and_empty_pod_labels():
     assert is_blank(float("nan")) and is_blank(140737488355328.0) and not is_blank(4742776.0)
 
 
+def test_a_page_without_hostname_is_left_out_with_a_warning_not_an_error(caplog):
+    caplog.set_level(logging.WARNING, logger="hybridflow.metering.dcgm")
+    assert parse_metrics('DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 3\n', cluster="c", ts=TS, source="p") == []
+    (record,) = caplog.records
+    assert record.getMessage().startswith("p: 1 GPU(s) (GPU-a) have series without a Hostname/hostname label")
+
+
 def test_bad_pages_are_refused_with_the_reason():
     with pytest.raises(MalformedMetrics, match="no DCGM_ series"):
         parse_metrics("go_goroutines 12\n", cluster="c", ts=TS, source="http://x/metrics")
     with pytest.raises(MalformedMetrics, match="not Prometheus text format"):
         parse_metrics("<html><body>login</body></html>\n", cluster="c", ts=TS)
-    with pytest.raises(MalformedMetrics, match="no Hostname label"):
-        parse_metrics('DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 3\n', cluster="c", ts=TS)
     (s,) = parse_metrics('DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 3\n', cluster="c", ts=TS, default_node="n1")
     assert s.node == "n1"
     with pytest.raises(ValueError, match="UTC"):

@@ -8,6 +8,7 @@ vGPUs report no power or temperature. Every field a source did not report stays 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from hybridflow.errors import HybridFlowError
-from hybridflow.metering.records import GpuSample
+from hybridflow.metering.records import GpuSample, XidCount
+
+log = logging.getLogger(__name__)
 
 # DCGM reports "no value" as sentinels near the type's maximum rather than leaving the series out
 # (dcgm_structs.h: DCGM_INT64_BLANK = 0x7ffffffffffffff0 and the NOT_FOUND/NOT_SUPPORTED/
@@ -53,6 +56,10 @@ _FALLBACKS: Mapping[str, str] = {
     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "util_pct",
 }
 _INT_FIELDS = frozenset({"xid", "ecc_sbe", "ecc_dbe"})
+# Xid counts per GPU over the exporter's window (label window_size_in_ms): one series per Xid seen,
+# labelled `xid`, valued with its count. DCGM_EXP_XID_ERRORS_COUNT is the released name (3.3.5-3.4.0
+# on); DCGM_FI_DEV_XID_ERRORS_ACTIVE is the name shown when the count was introduced (PR 239).
+XID_COUNT_METRICS = frozenset({"DCGM_EXP_XID_ERRORS_COUNT", "DCGM_FI_DEV_XID_ERRORS_ACTIVE"})
 
 
 class DcgmError(HybridFlowError):
@@ -180,13 +187,20 @@ def _index(labels: Mapping[str, str]) -> int | None:
     return int(raw) if raw.isdecimal() else None
 
 
-def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text>",
-                  default_node: str | None = None) -> list[GpuSample]:
-    """Per-GPU (and per-MIG-instance) samples of one metrics page, in exporter order.
+@dataclass
+class MetricsPage:
+    """What one page (or one Prometheus range) gave: per-GPU samples, Xid counts for node health,
+    and warnings about GPUs or series that were seen but could not be metered."""
 
-    `ts` is the scrape time (timezone-aware UTC); `default_node` names the node when the exporter
-    runs without a Hostname label.
-    """
+    samples: list[GpuSample] = field(default_factory=list)
+    xid_counts: list[XidCount] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def read_page(text: str, *, cluster: str, ts: datetime, source: str = "<text>",
+              default_node: str | None = None) -> MetricsPage:
+    """Samples, Xid counts and warnings of one metrics page; `ts` is the scrape time (timezone-aware
+    UTC), `default_node` names the node when the exporter runs without a Hostname label."""
     if ts.tzinfo is None or ts.utcoffset() is None or ts.utcoffset().total_seconds() != 0:
         raise ValueError(f"ts={ts!r}: give a timezone-aware UTC datetime (datetime.now(UTC))")
     try:
@@ -208,14 +222,28 @@ def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text
         raise MalformedMetrics(
             f"{source}: no DCGM_ series in the page; is this a dcgm-exporter endpoint (port 9400, /metrics)?"
         )
-    return builder.samples()
+    return builder.page()
+
+
+def parse_metrics(text: str, *, cluster: str, ts: datetime, source: str = "<text>",
+                  default_node: str | None = None) -> list[GpuSample]:
+    """Per-GPU (and per-MIG-instance) samples of one metrics page, in exporter order (warnings logged)."""
+    return read_page(text, cluster=cluster, ts=ts, source=source, default_node=default_node).samples
 
 
 METERED_METRICS: tuple[str, ...] = (*_FIELDS, *_FALLBACKS)
+_LISTED = 6  # GPUs or series named in a warning before "and N more"
+
+
+def _some(items: Iterable[str]) -> str:
+    items = list(items)
+    shown = ", ".join(items[:_LISTED])
+    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
 class SampleBuilder:
-    """Folds dcgm-exporter series values into one GpuSample per (node, GPU, MIG instance, time).
+    """Folds dcgm-exporter series values into one GpuSample per (node, GPU, MIG instance, time),
+    collects Xid counts, and remembers what it had to leave out for :meth:`page`'s warnings.
 
     Shared by the exporter page parser and the Prometheus source, so both read labels alike.
     """
@@ -225,19 +253,39 @@ class SampleBuilder:
         self.source = source
         self.default_node = default_node
         self._groups: dict[tuple[str, str, str, str, datetime], dict] = {}
+        self._xid_counts: list[XidCount] = []
+        self._gpus: dict[str, str] = {}  # "node/uuid" of every GPU seen -> uuid
+        self._unmetered: set[str] = set()  # series names seen that metering does not read
+        self._nodeless: dict[str, set[str]] = {}  # uuid -> series names without a node label
 
     def add(self, name: str, labels: Mapping[str, str], value: float, ts: datetime) -> None:
-        target = _FIELDS.get(name)
-        fallback = _FALLBACKS.get(name)
         uuid = _label(labels, _UUID_LABELS)
-        if uuid is None or (target is None and fallback is None):
-            return  # NVSwitch/link-level series and metrics we do not meter
+        if uuid is None:
+            return  # NVSwitch, link and CPU series: not a GPU
         node = _label(labels, _HOST_LABELS) or self.default_node
         if node is None:
-            raise MalformedMetrics(
-                f"{self.source}: series {name} for {uuid} has no Hostname label; "
-                "pass the node name (--node / default_node) for exporters run without one"
-            )
+            self._nodeless.setdefault(uuid, set()).add(name)
+            return
+        self._gpus.setdefault(f"{node}/{uuid}", uuid)
+        if name in XID_COUNT_METRICS:
+            self._add_xid_count(labels, value, ts, node, uuid)
+            return
+        target = _FIELDS.get(name)
+        fallback = _FALLBACKS.get(name)
+        if target is None and fallback is None:
+            self._unmetered.add(name)
+            return
+        group = self._group(labels, ts, node, uuid)
+        if is_blank(value):
+            return
+        if target is not None:
+            group[target] = value
+        else:
+            if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE":
+                value *= 100.0
+            group["_fallback"][fallback] = value
+
+    def _group(self, labels: Mapping[str, str], ts: datetime, node: str, uuid: str) -> dict:
         mig_profile = labels.get("GPU_I_PROFILE") or None
         mig_instance = labels.get("GPU_I_ID") or None
         key = (node, uuid, mig_profile or "", mig_instance or "", ts)
@@ -252,17 +300,48 @@ class SampleBuilder:
             # (the exporter pod's namespace and name) take those names.
             if group[k8s_label] is None:
                 group[k8s_label] = _label(labels, (f"exported_{k8s_label}", k8s_label))
-        if is_blank(value):
+        return group
+
+    def _add_xid_count(self, labels: Mapping[str, str], value: float, ts: datetime, node: str, uuid: str) -> None:
+        # A GPU without Xids in the window has one series without an `xid` label and value 0.
+        raw = labels.get("xid", "")
+        if not raw.isdecimal() or int(raw) == 0 or is_blank(value) or value < 1:
             return
-        if target is not None:
-            group[target] = value
-        else:
-            if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE":
-                value *= 100.0
-            group["_fallback"][fallback] = value
+        window = labels.get("window_size_in_ms", "")
+        self._xid_counts.append(XidCount(
+            ts=ts, cluster=self.cluster, node=node, gpu_uuid=uuid, mig_instance=labels.get("GPU_I_ID") or None,
+            xid=int(raw), count=int(value), window_ms=int(window) if window.isdecimal() else None))
 
     def samples(self) -> list[GpuSample]:
         return [_to_sample(dict(group)) for group in self._groups.values()]
+
+    def warnings(self) -> list[str]:
+        """What was seen but left out: GPUs without a node label, GPUs with none of the metered fields."""
+        out = []
+        if self._nodeless:
+            names = sorted(set().union(*self._nodeless.values()))
+            out.append(
+                f"{self.source}: {len(self._nodeless)} GPU(s) ({_some(self._nodeless)}) have series without a "
+                f"Hostname/hostname label ({_some(names)}), so they were left out; set the node name "
+                "(metering.clusters.<cluster>.node, or --node for hybridflow dcgm) for an exporter run "
+                "without one (dcgm-exporter --no-hostname)")
+        metered = {f"{key[0]}/{key[1]}" for key in self._groups}
+        bare = [gpu for gpu in self._gpus if gpu not in metered]
+        if bare:
+            seen = _some(sorted(self._unmetered)) if self._unmetered else "only Xid counts"
+            out.append(
+                f"{self.source}: {len(bare)} GPU(s) ({_some(bare)}) carry none of the fields metering reads "
+                f"(expected one of {', '.join(METERED_METRICS)}; seen: {seen}), so no samples were recorded "
+                "for them; add those fields to the exporter's collectors file (a renamed field, as in "
+                "dcgm-exporter 4.9 and later, is not read)")
+        return out
+
+    def page(self) -> MetricsPage:
+        """Everything read so far; its warnings are also logged."""
+        page = MetricsPage(self.samples(), list(self._xid_counts), self.warnings())
+        for warning in page.warnings:
+            log.warning("%s", warning)
+        return page
 
 
 def _to_sample(group: dict) -> GpuSample:

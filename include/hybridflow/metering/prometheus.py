@@ -10,6 +10,7 @@ labels (``honor_labels: true``, the dcgm-exporter chart's default); where Promet
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,9 +19,11 @@ import requests
 
 from hybridflow.metering.dcgm import (
     METERED_METRICS,
+    XID_COUNT_METRICS,
     DcgmError,
     ExporterUnreachable,
     MalformedMetrics,
+    MetricsPage,
     SampleBuilder,
     ScrapeSettings,
     http_session,
@@ -28,8 +31,11 @@ from hybridflow.metering.dcgm import (
 )
 from hybridflow.metering.records import GpuSample
 
+log = logging.getLogger(__name__)
+
 # Prometheus refuses range queries of more than 11,000 points per series.
 MAX_POINTS = 11_000
+QUERIED_METRICS: tuple[str, ...] = (*METERED_METRICS, *sorted(XID_COUNT_METRICS))
 
 
 def aligned_window(end: datetime, span: timedelta, step: timedelta) -> tuple[datetime, datetime]:
@@ -92,8 +98,9 @@ class PrometheusSource:
             yield lo, hi
             lo = hi + step
 
-    def samples(self, *, cluster: str, start: datetime, end: datetime, step: timedelta) -> list[GpuSample]:
-        """Samples of every GPU at each step in [start, end], ordered by time then node and GPU."""
+    def read(self, *, cluster: str, start: datetime, end: datetime, step: timedelta) -> MetricsPage:
+        """Samples of every GPU at each step in [start, end] (ordered by time, node and GPU), the
+        exporters' Xid counts at those steps, and a warning when no series matched at all."""
         for name, value in (("start", start), ("end", end)):
             if value.tzinfo is None:
                 raise ValueError(f"{name}={value!r}: give a timezone-aware UTC datetime")
@@ -102,13 +109,26 @@ class PrometheusSource:
             raise ValueError(f"need step > 0 and start <= end, got step={step}, start={start}, end={end}")
         builder = SampleBuilder(cluster, source=self.base_url)
         matcher = f"{{{self.selector}}}" if self.selector else ""
+        matched = 0
         with http_session(self.settings) as session:
-            for metric in METERED_METRICS:
+            for metric in QUERIED_METRICS:
                 for lo, hi in self._chunks(start.timestamp(), end.timestamp(), step_s):
                     for series in self._query(session, f"{metric}{matcher}", lo, hi, step_s):
+                        matched += 1
                         labels = series.get("metric") or {}
                         for ts, raw in series.get("values") or []:
                             when = datetime.fromtimestamp(float(ts), UTC)
                             builder.add(metric, labels, float(raw), when)
-        return sorted(builder.samples(), key=lambda s: (s.ts, s.node, s.gpu_index or 0, s.gpu_uuid,
-                                                        s.mig_instance or ""))
+        page = builder.page()
+        page.samples.sort(key=lambda s: (s.ts, s.node, s.gpu_index or 0, s.gpu_uuid, s.mig_instance or ""))
+        if not matched:
+            warning = (f"{self.base_url}: no dcgm-exporter series matched {{{self.selector}}} from "
+                       f"{start.isoformat()} to {end.isoformat()}; check metering.clusters.<cluster>.selector "
+                       "and that this Prometheus scrapes the cluster's exporters")
+            log.warning("%s", warning)
+            page.warnings.append(warning)
+        return page
+
+    def samples(self, *, cluster: str, start: datetime, end: datetime, step: timedelta) -> list[GpuSample]:
+        """Samples of every GPU at each step in [start, end], ordered by time then node and GPU."""
+        return self.read(cluster=cluster, start=start, end=end, step=step).samples

@@ -45,3 +45,22 @@ class GpuSample:
         out = asdict(self)
         out["ts"] = self.ts.isoformat()
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class XidCount:
+    """An exporter's count of one Xid on one GPU over its own window, as read at `ts`.
+
+    From `DCGM_EXP_XID_ERRORS_COUNT` (or its early name `DCGM_FI_DEV_XID_ERRORS_ACTIVE`): one series
+    per Xid seen in the last `window_ms` (the exporter's `--xid-count-window-size`, default 5 min).
+    Node health reads these; the ledger does not store them.
+    """
+
+    ts: datetime
+    cluster: str
+    node: str
+    gpu_uuid: str
+    mig_instance: str | None
+    xid: int
+    count: int
+    window_ms: int | None
