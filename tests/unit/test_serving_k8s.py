@@ -18,17 +18,15 @@ from kubernetes.client.exceptions import ApiException
 
 from hybridflow.config import NodePool
 from hybridflow.errors import DeploymentError
-from hybridflow.serving.k8s import (
+from hybridflow.serving.k8s import InferenceRollout, publish_model, roll_out
+from hybridflow.serving.k8s_manifests import (
     ENDPOINT_LABEL,
     MODELS_MOUNT,
     TRACK_LABEL,
     InferencePool,
-    InferenceRollout,
     Release,
     canary_deployment,
     canary_replicas,
-    publish_model,
-    roll_out,
     service,
     stable_deployment,
 )

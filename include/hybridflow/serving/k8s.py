@@ -1,161 +1,45 @@
-"""Serving on Kubernetes: the private inference pool as a Deployment behind a Service, with a canary.
+"""The kubernetes deploy target: the private inference pool as a Deployment behind a Service, with a canary.
 
-The Service selects every pod of the endpoint (``hybridflow.io/endpoint``); the stable and the
-canary Deployments differ only in ``hybridflow.io/track`` and version, so the canary's share of
-requests is its share of ready pods. Promote makes the canary's release the stable one (the stable
-Deployment rolls to it with surge, never dropping below its replica count) and removes the canary;
-rollback removes the canary and leaves the stable release serving throughout.
-
-Every pod runs the model server on a model bundle published to the models volume at
-``<mount>/<endpoint>/<version>/<variant>/`` (:func:`publish_model`); Deployments and the Service are
-named after the endpoint (the model's serving endpoint), and a pod is ready once its server loaded
-the bundle and answers ``/healthz``.
-
-Manifests are pure functions (validated in tests with kubernetes-validate); :class:`InferenceRollout`
-applies them through the provider's hook (``apps_v1_client`` / ``core_v1_client``), idempotently:
-a re-run replaces what is there instead of failing on AlreadyExists.
+The objects are built in :mod:`hybridflow.serving.k8s_manifests`. :class:`InferenceRollout` applies
+them through the provider's hook (``apps_v1_client`` / ``core_v1_client``), idempotently: a re-run
+replaces what is there instead of failing on AlreadyExists. :func:`publish_model` puts a bundle on
+the models volume the pods read. :class:`KubernetesTarget` is the deploy contract on top: the first
+version goes straight to stable; later ones start as a canary that must become ready before it is
+promoted (the stable Deployment rolls to it with surge, never dropping below its replica count);
+a canary that fails is removed and the stable release keeps serving throughout.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridflow.bundle import VARIANTS
-from hybridflow.config import NodePool
-from hybridflow.errors import DeploymentError
+from hybridflow.errors import ConfigError, DeploymentError
+from hybridflow.serving.base import DeployRequest, DeployTarget, Serving, Staged, roll
+from hybridflow.serving.k8s_manifests import (
+    DNS_LABEL_RE,
+    VERSION_LABEL,
+    InferencePool,
+    Release,
+    bundle_path,
+    canary_deployment,
+    service,
+    stable_deployment,
+)
+from hybridflow.serving.processes import say
 
-ENDPOINT_LABEL = "hybridflow.io/endpoint"
-TRACK_LABEL = "hybridflow.io/track"
-VERSION_LABEL = "hybridflow.io/version"
-GPU_RESOURCE = "nvidia.com/gpu"
-MODELS_MOUNT = "/models"
+if TYPE_CHECKING:
+    from hybridflow.config import Estate
 
-_DNS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_VERSION_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class InferencePool:
-    """Where an endpoint serves: namespace, node pool, replica count and the models volume."""
-
-    endpoint: str
-    namespace: str
-    pool: NodePool
-    models_claim: str  # PersistentVolumeClaim on private storage holding <endpoint>/<version>/<variant>/
-    replicas: int = 2
-    port: int = 8080
-    gpus_per_replica: int = 1
-
-    def check(self) -> None:
-        for field, value in (("endpoint", self.endpoint), ("namespace", self.namespace),
-                             ("models_claim", self.models_claim)):
-            if not _DNS_RE.match(value or "") or len(value) > 50:
-                raise DeploymentError(f"{field}: {value!r} is not a DNS-1123 label of at most 50 characters")
-        if not 1 <= self.replicas <= 100:
-            raise DeploymentError(f"replicas: {self.replicas} must be in 1..100")
-        if not 1 <= self.port <= 65535:
-            raise DeploymentError(f"port: {self.port} must be in 1..65535")
-        if self.gpus_per_replica < 0:
-            raise DeploymentError(f"gpus_per_replica: {self.gpus_per_replica} must be >= 0")
-
-
-@dataclass(frozen=True)
-class Release:
-    """One model version as served: image, version and the bundle's variant (fp32 | int8 | fp16)."""
-
-    version: str
-    variant: str
-    image: str
-
-    def check(self) -> None:
-        if not _VERSION_RE.match(self.version or ""):
-            raise DeploymentError(f"version: {self.version!r} must be a Kubernetes label value (e.g. v3)")
-        if self.variant not in VARIANTS:
-            raise DeploymentError(f"variant: {self.variant!r} is not one of {', '.join(VARIANTS)}")
-        if not self.image or any(c.isspace() for c in self.image):
-            raise DeploymentError(f"image: {self.image!r} is not a container image reference")
-
-
-def bundle_path(root: str | Path, endpoint: str, release: Release) -> str:
-    """Where a release's bundle lives under the models volume (the mount in a pod, the folder here)."""
-    return f"{root}/{endpoint}/{release.version}/{release.variant}"
-
-
-def _deployment(pool: InferencePool, release: Release, track: str, replicas: int) -> dict:
-    pool.check()
-    release.check()
-    name = pool.endpoint if track == "stable" else f"{pool.endpoint}-canary"
-    selector = {ENDPOINT_LABEL: pool.endpoint, TRACK_LABEL: track}
-    labels = {**selector, VERSION_LABEL: release.version}
-    container = {
-        "name": "server",
-        "image": release.image,
-        "command": ["python", "-m", "hybridflow.serving.server",
-                    "--bundle", bundle_path(MODELS_MOUNT, pool.endpoint, release),
-                    "--endpoint", pool.endpoint, "--version", release.version, "--port", str(pool.port),
-                    "--host", "0.0.0.0"],  # noqa: S104 - the pod's Service and probes reach it on the pod IP
-        "ports": [{"name": "http", "containerPort": pool.port}],
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "initialDelaySeconds": 30},
-        "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
-    }
-    if pool.gpus_per_replica:
-        container["resources"] = {"limits": {GPU_RESOURCE: pool.gpus_per_replica}}
-    pod: dict[str, Any] = {
-        "containers": [container],
-        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": pool.models_claim, "readOnly": True}}],
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-    }
-    if pool.pool.node_labels:
-        pod["nodeSelector"] = dict(sorted(pool.pool.node_labels.items()))
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": pool.namespace, "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector},
-            # Never fewer ready pods than asked: a new version comes up before an old one goes.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    }
-
-
-def stable_deployment(pool: InferencePool, release: Release) -> dict:
-    return _deployment(pool, release, "stable", pool.replicas)
-
-
-def canary_replicas(pool: InferencePool, percent: int) -> int:
-    """Canary pods giving about ``percent`` of requests next to the stable replicas."""
-    if not 1 <= percent <= 50:
-        raise DeploymentError(f"canary_percent: {percent} must be in 1..50 (promote instead of a larger canary)")
-    return max(1, round(pool.replicas * percent / (100 - percent)))
-
-
-def canary_deployment(pool: InferencePool, release: Release, percent: int) -> dict:
-    return _deployment(pool, release, "canary", canary_replicas(pool, percent))
-
-
-def service(pool: InferencePool) -> dict:
-    """The endpoint's Service: both tracks behind one address."""
-    pool.check()
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": pool.endpoint, "namespace": pool.namespace, "labels": {ENDPOINT_LABEL: pool.endpoint}},
-        "spec": {"selector": {ENDPOINT_LABEL: pool.endpoint},
-                 "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
-    }
+__all__ = ["InferencePool", "InferenceRollout", "KubernetesTarget", "Release", "TrackStatus", "publish_model",
+           "roll_out"]
 
 
 class InferenceRollout:
@@ -232,7 +116,7 @@ def publish_model(bundle_dir: Path, models_dir: Path, endpoint: str, release: Re
     from hybridflow.bundle import CARD_FILE, WEIGHTS_FILE, read_card
 
     release.check()
-    if not _DNS_RE.match(endpoint or "") or len(endpoint) > 50:
+    if not DNS_LABEL_RE.match(endpoint or "") or len(endpoint) > 50:
         raise DeploymentError(f"endpoint: {endpoint!r} is not a DNS-1123 label of at most 50 characters")
     bundle_dir = Path(bundle_dir)
     try:
@@ -295,45 +179,140 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+@dataclass(kw_only=True)
+class _Track(Staged):
+    """The new release and the Deployment track it runs on: ``stable`` (the first release) or ``canary``."""
+
+    release: Release
+    track: str
+    promoted: bool = False
+
+
+class KubernetesTarget(DeployTarget[_Track]):
+    """Blue/green on the inference pool: readiness of the new release's pods is its check, promotion
+    of the canary the switch."""
+
+    name = "kubernetes"
+
+    def __init__(self, rollout: InferenceRollout, *, image: str, canary_percent: int, timeout_s: float,
+                 models_dir: Path | None = None, poll_s: float = 5.0, log: Any = None,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 where: dict[str, Any] | None = None) -> None:
+        self.rollout, self.image, self.canary_percent, self.timeout_s = rollout, image, canary_percent, timeout_s
+        self.models_dir, self.poll_s, self.log, self.sleep, self.clock = models_dir, poll_s, log, sleep, clock
+        self.where = where or {}  # added to every result (cluster, namespace, endpoint_url)
+
+    @classmethod
+    def from_estate(cls, estate: Estate, endpoint: str, *, state_dir: Path, log: Any = None) -> KubernetesTarget:
+        from hybridflow.backends.k8s.backend import make_hook
+
+        k8s = estate.pipeline.serving.kubernetes
+        if k8s is None:
+            raise ConfigError("serving.kubernetes: not set; the kubernetes deploy target needs the inference pool "
+                              "(cluster, node_pool, image, models_claim, models_dir) in pipeline.yaml")
+        cluster = estate.clusters[k8s.cluster]
+        pool = InferencePool(endpoint=endpoint, namespace=k8s.namespace, pool=cluster.pool(k8s.node_pool),
+                             models_claim=k8s.models_claim, replicas=k8s.replicas, port=k8s.port,
+                             gpus_per_replica=k8s.gpus_per_replica)
+        where = {"cluster": k8s.cluster, "namespace": k8s.namespace,
+                 "endpoint_url": f"http://{endpoint}.{k8s.namespace}.svc:{k8s.port}/v1/models/{endpoint}"}
+        return cls(InferenceRollout(make_hook(cluster.conn_id), pool), image=k8s.image,
+                   canary_percent=k8s.canary_percent, timeout_s=k8s.ready_timeout_s,
+                   models_dir=Path(k8s.models_dir), log=log, where=where)
+
+    @property
+    def _pool(self) -> InferencePool:
+        return self.rollout.pool
+
+    def prepare(self, request: DeployRequest) -> Release:
+        """The release; with a models volume, its bundle is published there first."""
+        release = Release(version=request.version, variant=request.variant or "", image=self.image)
+        if self.models_dir is not None and request.bundle_dir is not None:
+            published = publish_model(Path(request.bundle_dir), self.models_dir, self._pool.endpoint, release)
+            say(self.log, f"Model {release.version} ({release.variant}) published to {published}")
+        return release
+
+    def current(self) -> Serving | None:
+        stable = self.rollout.track("stable")
+        return None if stable is None else Serving(stable.version, {"ready": stable.ready})
+
+    def keep(self, current: Serving, plan: Release) -> dict[str, Any] | None:
+        self.rollout.rollback()  # a canary left by an interrupted try of this version
+        return self._done({"strategy": "unchanged", "version": plan.version, "previous": plan.version})
+
+    def stage(self, plan: Release, current: Serving | None) -> _Track:
+        if current is None:
+            self.rollout.deploy(plan)
+            return _Track(plan.version, None, release=plan, track="stable")
+        self.rollout.canary(plan, self.canary_percent)
+        say(self.log, f"canary {plan.version} takes {self.canary_percent}% of {self._pool.endpoint}'s pods next "
+                      f"to {current.version}")
+        return _Track(plan.version, current, release=plan, track="canary")
+
+    def _wait(self, track: str, version: str) -> bool:
+        """Whether ``track`` runs ``version`` on all its pods, ready, within the timeout."""
+        deadline = self.clock() + self.timeout_s
+        while True:
+            status = self.rollout.track(track)
+            if status is not None and status.version == version and status.ready:
+                return True
+            if self.clock() >= deadline:
+                return False
+            self.sleep(self.poll_s)
+
+    def check(self, staged: _Track) -> None:
+        """Its pods load the model and pass the readiness probe within the timeout."""
+        if self._wait(staged.track, staged.version):
+            return
+        pool, timeout = self._pool, f"{self.timeout_s:.0f} s"
+        if staged.previous is None:
+            raise DeploymentError(f"version {staged.version} did not become ready on {pool.namespace}/"
+                                  f"{pool.endpoint} within {timeout}; see its pods' events and logs")
+        raise DeploymentError(f"canary {staged.version} did not become ready within {timeout}: rolled "
+                              f"back, {staged.previous.version} still serves {pool.endpoint}")
+
+    def steps(self, staged: _Track) -> Sequence[int]:
+        # The first release is stable already; a canary is promoted in one step.
+        return () if staged.previous is None else (100,)
+
+    def shift(self, staged: _Track, percent: int) -> None:
+        """Promote: the canary's release becomes stable (rolling, with surge), then the canary goes."""
+        staged.promoted = True
+        self.rollout.promote(staged.release)
+        if not self._wait("stable", staged.version):
+            raise DeploymentError(f"{self._pool.endpoint} did not finish rolling to {staged.version} within "
+                                  f"{self.timeout_s:.0f} s (the Deployment keeps old pods until new ones are ready)")
+
+    def rollback(self, staged: _Track, error: BaseException) -> Exception | None:
+        # Before promotion, removing the canary leaves stable serving; after it (or for a first release)
+        # the stable Deployment keeps its old pods until new ones are ready, so there is nothing to undo.
+        if staged.track == "canary" and not staged.promoted:
+            self.rollout.rollback()
+        return None
+
+    def retire(self, staged: _Track) -> None:
+        """Nothing left to stop: promotion removed the canary, and the rolling update the old pods."""
+
+    def result(self, staged: _Track) -> dict[str, Any]:
+        if staged.previous is None:
+            return self._done({"strategy": "first", "version": staged.version, "previous": None})
+        return self._done({"strategy": "canary", "version": staged.version, "previous": staged.previous.version,
+                           "canary_percent": self.canary_percent})
+
+    def _done(self, result: dict[str, Any]) -> dict[str, Any]:
+        if self.where:
+            say(self.log, f"Endpoint {self._pool.endpoint} on {self.where['cluster']}/{self.where['namespace']}: "
+                          f"{result}")
+        return {**result, **self.where}
+
+
 def roll_out(rollout: InferenceRollout, release: Release, *, canary_percent: int, timeout_s: float,
              poll_s: float = 5.0, log: Any = None, sleep: Callable[[float], None] = time.sleep,
              clock: Callable[[], float] = time.monotonic) -> dict:
-    """Serve ``release`` on the pool: first release straight to stable; later ones as a canary that
-    must become ready (its pods load the model and pass the readiness probe) within ``timeout_s``
-    before it is promoted; otherwise it is rolled back and the stable version keeps serving.
-    Re-running for the version already stable changes nothing."""
-
-    def wait(track: str) -> bool:
-        deadline = clock() + timeout_s
-        while True:
-            status = rollout.track(track)
-            if status is not None and status.version == release.version and status.ready:
-                return True
-            if clock() >= deadline:
-                return False
-            sleep(poll_s)
-
-    stable = rollout.track("stable")
-    if stable is not None and stable.version == release.version:
-        rollout.rollback()  # a canary left by an interrupted try of this version
-        return {"strategy": "unchanged", "version": release.version, "previous": release.version}
-    if stable is None:
-        rollout.deploy(release)
-        if not wait("stable"):
-            raise DeploymentError(f"version {release.version} did not become ready on {rollout.pool.namespace}/"
-                                  f"{rollout.pool.endpoint} within {timeout_s:.0f} s; see its pods' events and logs")
-        return {"strategy": "first", "version": release.version, "previous": None}
-    rollout.canary(release, canary_percent)
-    if log is not None:
-        log.info("canary %s takes %d%% of %s's pods next to %s", release.version, canary_percent,
-                 rollout.pool.endpoint, stable.version)
-    if not wait("canary"):
-        rollout.rollback()
-        raise DeploymentError(f"canary {release.version} did not become ready within {timeout_s:.0f} s: rolled "
-                              f"back, {stable.version} still serves {rollout.pool.endpoint}")
-    rollout.promote(release)
-    if not wait("stable"):
-        raise DeploymentError(f"{rollout.pool.endpoint} did not finish rolling to {release.version} within "
-                              f"{timeout_s:.0f} s (the Deployment keeps old pods until new ones are ready)")
-    return {"strategy": "canary", "version": release.version, "previous": stable.version,
-            "canary_percent": canary_percent}
+    """Serve ``release`` (already on the models volume) on the pool: first release straight to stable;
+    later ones as a canary that must become ready within ``timeout_s`` before it is promoted;
+    otherwise it is rolled back and the stable version keeps serving. Re-running for the version
+    already stable changes nothing."""
+    target = KubernetesTarget(rollout, image=release.image, canary_percent=canary_percent, timeout_s=timeout_s,
+                              poll_s=poll_s, log=log, sleep=sleep, clock=clock)
+    return roll(target, DeployRequest(release.version, variant=release.variant))
