@@ -1,7 +1,8 @@
 """One metering pass over a cluster: read its GPU samples, tie them to runs, sum up node findings.
 
-Sources are chosen per cluster in ``pipeline.yaml`` (``metering.clusters``): the local stand-in
-exporter, direct dcgm-exporter scrapes, or a Prometheus that already scrapes them. A pass covers one
+Sources are chosen per cluster in ``pipeline.yaml`` (``metering.clusters``) from the table in
+:mod:`hybridflow.metering.sources`: the local stand-in exporter, direct dcgm-exporter scrapes, or a
+Prometheus that already scrapes them. A pass covers one
 window (a DAG run's data interval) and stamps direct readings with the window's end, so clearing
 and re-running that run produces the same sample keys (the ledger upserts them). A direct scrape
 can only read the present: a re-run long after its window is skipped with a reason instead of
@@ -11,33 +12,27 @@ recording today's values under an old time; Prometheus sources read the window i
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from urllib.parse import urljoin
 
 from hybridflow.config import Cluster, MeteringCluster, MeteringSettings
-from hybridflow.metering.dcgm import DcgmError, ScrapeSettings, parse_metrics, read_source
-from hybridflow.metering.local_exporter import LocalSlotExporter
-from hybridflow.metering.prometheus import PrometheusSource
-from hybridflow.metering.records import GpuSample
+from hybridflow.metering.records import GpuSample, XidCount
+from hybridflow.metering.sources import ConnectionLookup, Endpoint, open_source, scrape_settings
+
+__all__ = ["ClusterReading", "ConnectionLookup", "Endpoint", "NodeFinding", "attribute", "gang_owner",
+           "known_gangs", "known_runs", "node_findings", "read_cluster", "run_key_of", "scrape_settings",
+           "source_of"]
 
 # The train task names its gang "train-<run_key>"; Kubernetes pods of the gang add a suffix.
 GANG_PREFIX = "train-"
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A resolved place to read from: URL plus credentials from a Connection (never logged)."""
-
-    url: str
-    auth: tuple[str, str] | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True, slots=True)
 class NodeFinding:
-    """What a pass saw of one node's health: non-zero Xid codes, ECC error totals, exporter answered."""
+    """What a pass saw of one node's health: non-zero Xid codes (the last Xid of each GPU and those
+    an exporter counted in its window), ECC error totals, exporter answered; ``detail`` says why."""
 
     cluster: str
     node: str
@@ -55,14 +50,8 @@ class ClusterReading:
     findings: list[NodeFinding] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped: str | None = None
-
-
-ConnectionLookup = Callable[[str], Endpoint]
-
-
-def scrape_settings(metering: MeteringSettings, auth: tuple[str, str] | None = None) -> ScrapeSettings:
-    return ScrapeSettings(connect_timeout_s=metering.connect_timeout_s, read_timeout_s=metering.read_timeout_s,
-                          retries=metering.retries, auth=auth, max_body_bytes=int(metering.max_body_mib * 2**20))
+    xid_counts: list[XidCount] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # seen but not metered: GPUs without a node or fields
 
 
 def source_of(cluster: Cluster, metering: MeteringSettings) -> MeteringCluster | None:
@@ -71,15 +60,6 @@ def source_of(cluster: Cluster, metering: MeteringSettings) -> MeteringCluster |
     if configured is not None:
         return configured
     return MeteringCluster(source="local") if cluster.backend == "local" else None
-
-
-def _exporter_endpoints(src: MeteringCluster, lookup: ConnectionLookup | None) -> list[Endpoint]:
-    if src.conn_id is None:
-        return [Endpoint(url) for url in src.exporters]
-    if lookup is None:
-        raise DcgmError(f"connection {src.conn_id!r} is configured but no connection lookup was given")
-    base = lookup(src.conn_id)
-    return [Endpoint(urljoin(base.url.rstrip("/") + "/", url), base.auth) for url in src.exporters]
 
 
 def read_cluster(cluster: Cluster, metering: MeteringSettings, *, window_end: datetime,
@@ -92,56 +72,27 @@ def read_cluster(cluster: Cluster, metering: MeteringSettings, *, window_end: da
         reading.skipped = (f"no metering source for {cluster.backend} cluster {cluster.name}; add "
                            f"metering.clusters.{cluster.name} (exporters or prometheus) to pipeline.yaml")
         return reading
-    if src.source == "prometheus":
-        if src.conn_id is not None and lookup is not None:
-            endpoint = lookup(src.conn_id)
-        else:
-            endpoint = Endpoint(src.prometheus_url or "")
-        step = timedelta(seconds=metering.prometheus_step_s)
-        prom = PrometheusSource(endpoint.url, selector=src.selector, settings=scrape_settings(metering, endpoint.auth))
-        # (window_end - window, window_end]: adjacent runs never read the same instant twice
-        start = window_end - window + step
-        try:
-            reading.samples = prom.samples(cluster=cluster.name, start=start, end=window_end, step=step)
-        except DcgmError as exc:
-            reading.errors.append(str(exc))
-        reading.findings = node_findings(reading.samples)
-        return reading
-    if now - window_end > window:
+    source = open_source(cluster, src, metering, state_dir=state_dir, lookup=lookup)
+    if not source.reads_past and now - window_end > window:
         reading.skipped = (f"{cluster.name}: this run's window ended at {window_end.isoformat()}, more than "
                            f"{window} ago; an exporter only shows the present, so nothing is recorded for it "
                            "(a prometheus source can fill past windows)")
         return reading
-    if src.source == "local":
-        exporter = LocalSlotExporter(state_dir, cluster, node=src.node, idle_w=metering.local_idle_w,
-                                     busy_w=metering.local_busy_w)
-        reading.samples = parse_metrics(exporter.render(), cluster=cluster.name, ts=window_end,
-                                        source=f"local slots of {cluster.name}")
-        reading.findings = node_findings(reading.samples)
-        return reading
-    failed: list[tuple[str, str]] = []
-    for endpoint in _exporter_endpoints(src, lookup):
-        try:
-            text = read_source(endpoint.url, scrape_settings(metering, endpoint.auth))
-            reading.samples += parse_metrics(text, cluster=cluster.name, ts=window_end, source=endpoint.url,
-                                             default_node=src.node)
-        except DcgmError as exc:
-            reading.errors.append(str(exc))
-            failed.append((_host_of(endpoint.url), str(exc)))
-    reading.findings = node_findings(reading.samples, failed=failed, cluster=cluster.name)
+    got = source.read(window_end=window_end, window=window)
+    reading.samples = got.page.samples
+    reading.xid_counts = got.page.xid_counts
+    reading.warnings = got.page.warnings
+    reading.errors = got.errors
+    reading.findings = node_findings(reading.samples, xid_counts=reading.xid_counts, failed=got.failed,
+                                     cluster=cluster.name)
     return reading
 
 
-def _host_of(url: str) -> str:
-    from urllib.parse import urlsplit
-
-    return urlsplit(url).hostname or url
-
-
-def node_findings(samples: Iterable[GpuSample], *, failed: Iterable[tuple[str, str]] = (),
-                  cluster: str | None = None) -> list[NodeFinding]:
+def node_findings(samples: Iterable[GpuSample], *, xid_counts: Iterable[XidCount] = (),
+                  failed: Iterable[tuple[str, str]] = (), cluster: str | None = None) -> list[NodeFinding]:
     """Per node: the distinct non-zero Xid codes and the ECC totals over its GPUs (latest reading
-    of each GPU), plus a failed probe for each exporter that did not answer."""
+    of each GPU), the Xids an exporter counted in its window at any reading of the pass, plus a
+    failed probe for each exporter that did not answer."""
     latest: dict[tuple[str, str, str, str], GpuSample] = {}
     for s in samples:
         key = (s.cluster, s.node, s.gpu_uuid, s.mig_instance or "")
@@ -150,14 +101,28 @@ def node_findings(samples: Iterable[GpuSample], *, failed: Iterable[tuple[str, s
     per_node: dict[tuple[str, str], list[GpuSample]] = {}
     for s in latest.values():
         per_node.setdefault((s.cluster, s.node), []).append(s)
+    counted: dict[tuple[str, str], dict[tuple[str, int], XidCount]] = {}
+    for c in xid_counts:
+        worst = counted.setdefault((c.cluster, c.node), {})
+        if (c.gpu_uuid, c.xid) not in worst or worst[(c.gpu_uuid, c.xid)].count < c.count:
+            worst[(c.gpu_uuid, c.xid)] = c
+        per_node.setdefault((c.cluster, c.node), [])
     out = []
     for (cl, node), gpus in sorted(per_node.items()):
-        xids = tuple(sorted({s.xid for s in gpus if s.xid}))
+        seen = counted.get((cl, node), {})
+        xids = tuple(sorted({s.xid for s in gpus if s.xid} | {xid for _, xid in seen}))
         out.append(NodeFinding(cl, node, xids, sum(s.ecc_sbe or 0 for s in gpus),
-                               sum(s.ecc_dbe or 0 for s in gpus), True))
+                               sum(s.ecc_dbe or 0 for s in gpus), True, _counted_detail(seen.values())))
     for host, reason in failed:
         out.append(NodeFinding(cluster or "", host, (), 0, 0, False, reason))
     return out
+
+
+def _counted_detail(counts: Iterable[XidCount]) -> str:
+    parts = [f"Xid {c.xid} x{c.count} on {c.gpu_uuid}"
+             + (f" within {c.window_ms / 1000:g} s" if c.window_ms else "")
+             for c in sorted(counts, key=lambda c: (c.gpu_uuid, c.xid))]
+    return "; ".join(parts)
 
 
 def run_key_of(pod: str | None, run_keys: Iterable[str]) -> str | None:

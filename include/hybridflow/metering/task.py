@@ -76,7 +76,8 @@ def meter_cluster(cluster_name: str, *, window_start: datetime, window_end: date
                            window=window_end - window_start, now=now, state_dir=settings.state_dir,
                            lookup=lookup)
     summary = {"cluster": cluster_name, "window_end": window_end.isoformat(), "samples": len(reading.samples),
-               "attributed": 0, "stored": 0, "errors": reading.errors, "skipped": reading.skipped,
+               "attributed": 0, "stored": 0, "errors": reading.errors, "warnings": reading.warnings,
+               "skipped": reading.skipped,
                "nodes": len(reading.findings),
                "unhealthy": [f.node for f in reading.findings if f.xid_codes or f.ecc_dbe or not f.probe_ok]}
     if reading.skipped:
