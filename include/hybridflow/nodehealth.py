@@ -3,7 +3,10 @@
 Policy (one place, so the metering DAG and operators agree):
 
 - a non-zero Xid or any uncorrectable (double-bit) ECC error marks the node unhealthy at once:
-  the GPU has faulted and the work on it is already suspect;
+  the GPU has faulted and the work on it is already suspect. Xids come from the exporter's last-Xid
+  gauge (``DCGM_FI_DEV_XID_ERRORS``) and from its per-Xid counts over a window
+  (``DCGM_EXP_XID_ERRORS_COUNT``, also read as ``DCGM_FI_DEV_XID_ERRORS_ACTIVE``); the finding's
+  ``detail`` names the counted ones;
 - a failed health probe (exporter did not answer) marks it unhealthy only on the second pass in a
   row: one missed scrape is usually the network or a restarting exporter, not the GPU;
 - correctable (single-bit) ECC errors are reported but not acted on.

@@ -169,3 +169,21 @@ def test_node_command_lists_and_restores_a_local_node(tmp_path, monkeypatch, cap
     assert main(["node", "list"]) == 0 and json.loads(capsys.readouterr().out) == {"onprem-a": {}}
     assert main(["node", "restore"]) == 2 and "needs the cluster and the node" in capsys.readouterr().err
     assert main(["node", "restore", "mars", "n1"]) == 2 and "'mars' is not in clusters.yaml" in capsys.readouterr().err
+
+
+def test_xids_an_exporter_counted_in_its_window_cordon_the_node(sim, report):
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    from hybridflow.metering.collect import node_findings
+    from hybridflow.metering.dcgm import read_page
+
+    page_file = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm-exporter-written" / "t400_xid-errors-active.prom"
+    page = read_page(page_file.read_text().replace('Hostname="workstation"', 'Hostname="gpu-2"'),
+                     cluster="cloud-east", ts=datetime(2026, 5, 1, 12, 5, tzinfo=UTC))
+    assert [s.xid for s in page.samples] == [None]  # no classic Xid gauge on this page: the count alone
+    run, path = report
+    [decision] = run(node_findings(page.samples, xid_counts=page.xid_counts))
+    assert decision.unhealthy and decision.newly_unhealthy and decision.reason == "xid-42"
+    assert sim.nodes["gpu-2"]["unschedulable"] and not sim.nodes["gpu-1"].get("unschedulable")
+    assert "Xid 42 x1 on GPU-b9f9e81b-bee7-34bc-af17-132ef6592740 within 300 s" in read_state(path)["cloud-east"]["gpu-2"]["last"]["detail"]

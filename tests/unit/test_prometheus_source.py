@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import http.server
+import logging
 import shutil
 import socket
 import subprocess
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import requests
@@ -21,8 +23,10 @@ from hybridflow.metering.prometheus import MAX_POINTS, PrometheusSource, aligned
 from hybridflow.settings import REPO_ROOT
 
 SAMPLES = DCGM_SAMPLES
-PAGES = ("aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom",
-         "lke_RTX4000Ada_k8s-pod-labels_xid-errmsg_drv580.95.05.prom")
+PAGES = (SAMPLES / "aicr_eks-H100x8_k8s-pod-labels_drv580.105.08.prom",
+         SAMPLES / "lke_RTX4000Ada_k8s-pod-labels_xid-errmsg_drv580.95.05.prom",
+         # Xid counts of a newer exporter (written in its format; see the folder's README)
+         Path(__file__).resolve().parents[1] / "fixtures" / "dcgm-exporter-written" / "h100x2_xid-count_window-5min.prom")
 PROMETHEUS = shutil.which("prometheus")
 # the stand-in reports no temperature: the sample GPUs by temperature, the local slots by utilisation
 WAIT_QUERY = 'count(DCGM_FI_DEV_GPU_TEMP) + count(DCGM_FI_DEV_GPU_UTIL{cluster="local"})'
@@ -58,7 +62,7 @@ def prometheus(tmp_path_factory):
     if PROMETHEUS is None:
         pytest.skip("the prometheus binary is not installed (Debian package 'prometheus'; CI installs it)")
     root = tmp_path_factory.mktemp("prometheus")
-    exporters = [_serve((SAMPLES / page).read_text()) for page in PAGES]
+    exporters = [_serve(page.read_text()) for page in PAGES]
     targets = ", ".join(f"'127.0.0.1:{s.server_address[1]}'" for s in exporters)
     # and the local stand-in exporter of an idle local cluster, as a Prometheus would scrape it
     estate = load_estate(REPO_ROOT / "config", use_cache=False)
@@ -88,7 +92,7 @@ def prometheus(tmp_path_factory):
             try:
                 r = requests.get(f"{base}/api/v1/query", params={"query": WAIT_QUERY}, timeout=2)
                 result = r.json()["data"]["result"]
-                if result and result[0]["value"][1] == "13":  # 8 H100s + 1 RTX 4000 + 4 local slots
+                if result and result[0]["value"][1] == "15":  # 10 H100s + 1 RTX 4000 + 4 local slots
                     break
             except (requests.RequestException, ValueError, KeyError):
                 pass
@@ -116,7 +120,7 @@ def test_range_query_gives_the_same_samples_as_scraping(prometheus):
     start, end = aligned_window(datetime.now(UTC), timedelta(seconds=4), timedelta(seconds=1))
     samples = source.samples(cluster="fixture", start=start, end=end, step=timedelta(seconds=1))
     direct = {s.gpu_uuid: s for page in PAGES
-              for s in parse_metrics((SAMPLES / page).read_text(), cluster="fixture", ts=end)}
+              for s in parse_metrics(page.read_text(), cluster="fixture", ts=end)}
     instants = sorted({s.ts for s in samples})
     assert len(instants) >= 2 and all(t.tzinfo is not None and t.microsecond == 0 for t in instants)
     latest = {s.gpu_uuid: s for s in samples if s.ts == instants[-1]}
@@ -143,11 +147,34 @@ def test_local_stand_in_exporter_through_prometheus(prometheus):
         (f"GPU-local-onprem-a-{i}", "A100-80GB", "box", 0.0, 60.0) for i in range(4)]
 
 
-def test_selector_that_matches_nothing_gives_no_samples(prometheus):
+def test_selector_that_matches_nothing_gives_no_samples_and_says_so(prometheus, caplog):
+    caplog.set_level(logging.WARNING, logger="hybridflow.metering.prometheus")
     source = PrometheusSource(prometheus, selector='cluster="elsewhere"')
     end = datetime.now(UTC)
-    assert source.samples(cluster="elsewhere", start=end - timedelta(seconds=3), end=end,
-                          step=timedelta(seconds=1)) == []
+    page = source.read(cluster="elsewhere", start=end - timedelta(seconds=3), end=end, step=timedelta(seconds=1))
+    assert page.samples == [] and page.xid_counts == []
+    (warning,) = page.warnings
+    assert warning.startswith(f'{prometheus}: no dcgm-exporter series matched {{cluster="elsewhere"}} from ')
+    assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+def test_xid_counts_through_prometheus_become_findings(prometheus, tmp_path):
+    from hybridflow.config import MeteringCluster, MeteringSettings
+    from hybridflow.metering.collect import read_cluster
+
+    end = datetime.now(UTC)
+    page = PrometheusSource(prometheus, selector='cluster="fixture"').read(
+        cluster="fixture", start=end - timedelta(seconds=3), end=end, step=timedelta(seconds=1))
+    assert page.warnings == [] and len({c.ts for c in page.xid_counts}) >= 2  # at every step
+    assert {(c.node, c.xid, c.count, c.window_ms) for c in page.xid_counts} == {
+        ("gpu-node-7", 13, 1, 300000), ("gpu-node-7", 79, 2, 300000)}
+    metering = MeteringSettings(prometheus_step_s=1, clusters={"onprem-a": MeteringCluster(
+        source="prometheus", prometheus_url=prometheus, selector='cluster="fixture"')})
+    cluster = load_estate(REPO_ROOT / "config", use_cache=False).clusters["onprem-a"]
+    reading = read_cluster(cluster, metering, window_end=end, window=timedelta(seconds=4), now=end,
+                           state_dir=tmp_path)
+    assert {f.node: f.xid_codes for f in reading.findings} == {
+        "gpu-node-1": (), "gpu-node-7": (13, 79), "lke529760-766837-0a634ab30000": ()}
 
 
 def test_bad_selector_is_refused_with_prometheus_reason(prometheus):

@@ -4,6 +4,10 @@ The exporter's label set varies by version and mode (see the reference samples):
 `Hostname` or `hostname`, `modelName` only in newer releases, pod labels only in Kubernetes mode and
 only on GPUs a pod holds (absent or empty otherwise), MIG series carry `GPU_I_PROFILE`/`GPU_I_ID`,
 vGPUs report no power or temperature. Every field a source did not report stays `None`.
+
+Besides per-GPU samples a page gives Xid counts for node health (`DCGM_EXP_XID_ERRORS_COUNT`), and
+warnings naming what was seen but could not be metered: GPUs without a node label, GPUs carrying
+none of the metered fields. Those are logged and returned, never dropped silently.
 """
 
 from __future__ import annotations
