@@ -159,6 +159,29 @@ def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
     return _page(title, f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
 
 
+def _access(authorize: bool) -> tuple[list, list]:
+    """Route dependencies: read access to the budgets DAG's runs (overview), to the DAG run (per run)."""
+    if not authorize:
+        return [], []
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+    from fastapi import Depends
+
+    return ([Depends(requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=BUDGETS_DAG))],
+            [Depends(requires_access_dag("GET", DagAccessEntity.RUN))])
+
+
+def current_rows(store, config_dir: Path, period: str) -> tuple[list[dict], str]:
+    """The budget rows of ``period`` and a note for the page when the ledger is missing or unreadable."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    note = "" if store is not None else "No ledger yet: budgets are evaluated after the first nightly allocation."
+    try:
+        return budget_rows(config_dir, store, period), note
+    except SQLAlchemyError as exc:  # shown, not hidden: the operator must see the ledger is unreadable
+        return budget_rows(config_dir, None, period), f"The ledger could not be read: {exc.__class__.__name__}: {exc}"
+
+
 def add_cost_pages(
     app,
     *,
@@ -170,7 +193,7 @@ def add_cost_pages(
     url_prefix: str = URL_PREFIX,
 ) -> None:
     """Mount the cost pages on the plugin app. ``authorize=False`` only for tests without an api-server."""
-    from fastapi import Depends, HTTPException
+    from fastapi import HTTPException
     from fastapi.responses import FileResponse, HTMLResponse
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -185,35 +208,23 @@ def add_cost_pages(
 
         return (store_factory or default_store)()
 
-    overview_access: list = []
-    run_access: list = []
-    if authorize:
-        from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
-        from airflow.api_fastapi.core_api.security import requires_access_dag
+    def period_now() -> str:
+        return period_of((today or (lambda: datetime.now(UTC).date()))())
 
-        overview_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=BUDGETS_DAG))]
-        run_access = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
-
-    def current_rows(root_config: Path, period: str) -> tuple[list[dict], str]:
-        store = open_store()
-        note = "" if store is not None else "No ledger yet: budgets are evaluated after the first nightly allocation."
-        try:
-            return budget_rows(root_config, store, period), note
-        except SQLAlchemyError as exc:  # shown, not hidden: the operator must see the ledger is unreadable
-            return budget_rows(root_config, None, period), f"The ledger could not be read: {exc.__class__.__name__}: {exc}"
+    overview_access, run_access = _access(authorize)
 
     @app.get("/costs", response_class=HTMLResponse, dependencies=overview_access)
     def costs_page() -> str:
         root, cfg_dir = paths()
-        period = period_of((today or (lambda: datetime.now(UTC).date()))())
-        rows, note = current_rows(cfg_dir, period)
+        period = period_now()
+        rows, note = current_rows(open_store(), cfg_dir, period)
         return render_costs(rows, period, latest_report(root), note, base=url_prefix)
 
     @app.get("/api/costs/budgets", dependencies=overview_access)
     def budgets_json() -> dict:
         _, cfg_dir = paths()
-        period = period_of((today or (lambda: datetime.now(UTC).date()))())
-        rows, note = current_rows(cfg_dir, period)
+        period = period_now()
+        rows, note = current_rows(open_store(), cfg_dir, period)
         return {"period": period, "projects": rows, "note": note}
 
     @app.get("/costs/report/{day}", dependencies=overview_access)
@@ -232,8 +243,8 @@ def add_cost_pages(
     def run_cost_page(dag_id: str, run_id: str) -> str:
         root, cfg_dir = paths()
         if dag_id != TRAINING_DAG:  # the nightly cost DAGs: the state they produced and the report
-            period = period_of((today or (lambda: datetime.now(UTC).date()))())
-            rows, note = current_rows(cfg_dir, period)
+            period = period_now()
+            rows, note = current_rows(open_store(), cfg_dir, period)
             heading = f"GPU costs &amp; budgets, as of {escape(dag_id)} / {escape(run_id)}"
             return render_costs(rows, period, latest_report(root), note, base=url_prefix, heading=heading)
         try:

@@ -138,6 +138,75 @@ def render_queue(queue: dict | None) -> str:
     return "<h2>Queue</h2>" + _kv_table(rows)
 
 
+def render_staging(staging: dict | None) -> str:
+    if not staging:
+        return "<p class='muted'>Nothing staged (private cluster, or stage_data has not run).</p>"
+    return _kv_table(
+        [
+            ("store", staging.get("store_uri")),
+            ("dataset version", staging.get("version")),
+            ("objects copied / total", f"{staging.get('objects_copied')} / {staging.get('objects_total')}"),
+            ("bytes copied", staging.get("bytes_copied")),
+            ("seconds", staging.get("seconds")),
+        ]
+    )
+
+
+def render_attempts(attempts: list[dict]) -> str:
+    if not attempts:
+        return "<p class='muted'>The train task has not started.</p>"
+    rows = "".join(
+        f"<tr><td>{_cell(a.get('attempt') or a.get('try_number'))}</td><td>{_cell(a.get('cluster'))}</td>"
+        f"<td>{_cell(a.get('workers'))}</td><td>{_cell(a.get('started_at'))}</td>"
+        f"<td>{_cell(a.get('seconds'))}</td><td>{_cell(a.get('outcome'))}</td>"
+        f"<td>{_cell(a.get('start_step'))}</td><td>{_cell(a.get('last_step'))}</td>"
+        f"<td>{_cell(a.get('last_committed_step'))}</td></tr>"
+        for a in attempts
+    )
+    return (
+        "<table><tr><th>attempt</th><th>cluster</th><th>GPUs</th><th>started</th><th>seconds</th>"
+        "<th>outcome</th><th>from step</th><th>last step</th><th>last checkpoint</th></tr>"
+        f"{rows}</table>"
+    )
+
+
+def render_record(rec: dict, evaluation: dict | None) -> str:
+    """The run record's table; before the record step, the held-out metric so far."""
+    if not rec:
+        evaluation = evaluation or {}
+        return (
+            "<p class='muted'>The record step has not run yet"
+            + (f"; held-out {_metric(evaluation['metric'])} so far" if evaluation.get("metric") else "")
+            + ".</p>"
+        )
+    ckpt = rec.get("checkpoints") or {}
+    return _kv_table(
+        [
+            ("project / team", f"{rec.get('project')} / {rec.get('team')}"),
+            ("model", rec.get("model")),
+            ("dataset", f"{rec.get('dataset')} ({rec.get('classification')}"
+                        + (f", regions {', '.join(rec['regions'])}" if rec.get("regions") else "")
+                        + f"), version {rec.get('dataset_version')}"),
+            ("triggered by", rec.get("triggered_by")),
+            ("GPUs x type", f"{rec.get('workers')} x {rec.get('gpu_type')}"),
+            ("GPU-hours", rec.get("gpu_hours")),
+            ("checkpoints", f"{ckpt.get('count')} written, resumed from step {ckpt.get('resumed_from_step')}, "
+                            f"final step {ckpt.get('final_step')}"),
+            *(
+                [("training", f"{training.get('steps_trained')} steps trained, {training.get('preemptions')} "
+                              f"preemptions, {training.get('steps_lost')} steps redone")]
+                if (training := rec.get("training"))
+                else []
+            ),
+            ("held-out metric", _metric(rec.get("metric"))),
+            ("compressed as", (rec.get("compression") or {}).get("selected")),
+            ("endpoint", rec.get("endpoint")),
+            ("model version", rec.get("model_version")),
+            *((f"artefact: {k}", v) for k, v in (rec.get("artefacts") or {}).items()),
+        ]
+    )
+
+
 def render_run(view: dict[str, Any]) -> str:
     title = f"{view['dag_id']} / {view['run_id']}"
     parts = [f"<h1>{escape(title)}</h1>"]
@@ -150,76 +219,9 @@ def render_run(view: dict[str, Any]) -> str:
     rec = view["record"] or {}
     parts.append("<h2>Placement</h2>" + render_placement(view["placement"]))
     parts.append(render_queue(view.get("queue")))
-    staging = view["staging"] or rec.get("staging")
-    parts.append("<h2>Staging</h2>")
-    if staging:
-        parts.append(
-            _kv_table(
-                [
-                    ("store", staging.get("store_uri")),
-                    ("dataset version", staging.get("version")),
-                    ("objects copied / total", f"{staging.get('objects_copied')} / {staging.get('objects_total')}"),
-                    ("bytes copied", staging.get("bytes_copied")),
-                    ("seconds", staging.get("seconds")),
-                ]
-            )
-        )
-    else:
-        parts.append("<p class='muted'>Nothing staged (private cluster, or stage_data has not run).</p>")
-    parts.append("<h2>Training attempts</h2>")
-    if view["attempts"]:
-        rows = "".join(
-            f"<tr><td>{_cell(a.get('attempt') or a.get('try_number'))}</td><td>{_cell(a.get('cluster'))}</td>"
-            f"<td>{_cell(a.get('workers'))}</td><td>{_cell(a.get('started_at'))}</td>"
-            f"<td>{_cell(a.get('seconds'))}</td><td>{_cell(a.get('outcome'))}</td>"
-            f"<td>{_cell(a.get('start_step'))}</td><td>{_cell(a.get('last_step'))}</td>"
-            f"<td>{_cell(a.get('last_committed_step'))}</td></tr>"
-            for a in view["attempts"]
-        )
-        parts.append(
-            "<table><tr><th>attempt</th><th>cluster</th><th>GPUs</th><th>started</th><th>seconds</th>"
-            "<th>outcome</th><th>from step</th><th>last step</th><th>last checkpoint</th></tr>"
-            f"{rows}</table>"
-        )
-    else:
-        parts.append("<p class='muted'>The train task has not started.</p>")
-    parts.append("<h2>Record</h2>")
-    if rec:
-        ckpt = rec.get("checkpoints") or {}
-        parts.append(
-            _kv_table(
-                [
-                    ("project / team", f"{rec.get('project')} / {rec.get('team')}"),
-                    ("model", rec.get("model")),
-                    ("dataset", f"{rec.get('dataset')} ({rec.get('classification')}"
-                                + (f", regions {', '.join(rec['regions'])}" if rec.get("regions") else "")
-                                + f"), version {rec.get('dataset_version')}"),
-                    ("triggered by", rec.get("triggered_by")),
-                    ("GPUs x type", f"{rec.get('workers')} x {rec.get('gpu_type')}"),
-                    ("GPU-hours", rec.get("gpu_hours")),
-                    ("checkpoints", f"{ckpt.get('count')} written, resumed from step {ckpt.get('resumed_from_step')}, "
-                                    f"final step {ckpt.get('final_step')}"),
-                    *(
-                        [("training", f"{training.get('steps_trained')} steps trained, {training.get('preemptions')} "
-                                      f"preemptions, {training.get('steps_lost')} steps redone")]
-                        if (training := rec.get("training"))
-                        else []
-                    ),
-                    ("held-out metric", _metric(rec.get("metric"))),
-                    ("compressed as", (rec.get("compression") or {}).get("selected")),
-                    ("endpoint", rec.get("endpoint")),
-                    ("model version", rec.get("model_version")),
-                    *((f"artefact: {k}", v) for k, v in (rec.get("artefacts") or {}).items()),
-                ]
-            )
-        )
-    else:
-        evaluation = view["evaluation"] or {}
-        parts.append(
-            "<p class='muted'>The record step has not run yet"
-            + (f"; held-out {_metric(evaluation['metric'])} so far" if evaluation.get("metric") else "")
-            + ".</p>"
-        )
+    parts.append("<h2>Staging</h2>" + render_staging(view["staging"] or rec.get("staging")))
+    parts.append("<h2>Training attempts</h2>" + render_attempts(view["attempts"]))
+    parts.append("<h2>Record</h2>" + render_record(rec, view["evaluation"]))
     parts.append(f"<p class='muted'>Run folder: <code>{escape(view['folder'])}</code></p>")
     return _page(title, "".join(parts))
 
