@@ -155,3 +155,26 @@ def test_task_summary_carries_the_warnings(tmp_path, pages, monkeypatch):
     assert summary["samples"] == 0 and summary["errors"] == [] and stored == [] and reported == []
     (warning,) = summary["warnings"]
     assert "carry none of the fields metering reads" in warning
+
+
+def test_an_unreachable_prometheus_is_an_error_of_the_pass_even_for_a_past_window(estate, tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        metering = _metering(**{"onprem-a": MeteringCluster(source="prometheus", prometheus_url=url)})
+        reading = read_cluster(estate.clusters["onprem-a"], metering, window_end=END, window=WINDOW,
+                               now=END + timedelta(days=2), state_dir=tmp_path)
+    assert reading.skipped is None and reading.samples == [] and reading.findings == []
+    (error,) = reading.errors
+    assert error.startswith(f"{url}/api/v1/query_range: Prometheus did not answer")
+
+
+def test_exporters_on_a_connection_need_a_lookup(estate, tmp_path):
+    from hybridflow.metering.dcgm import DcgmError
+
+    metering = _metering(**{"onprem-a": MeteringCluster(source="exporters", conn_id="dcgm_a", exporters=["/metrics"])})
+    with pytest.raises(DcgmError, match="connection 'dcgm_a' is configured but no connection lookup"):
+        read_cluster(estate.clusters["onprem-a"], metering, window_end=END, window=WINDOW, now=END,
+                     state_dir=tmp_path)

@@ -2,11 +2,11 @@
 
 Sources are chosen per cluster in ``pipeline.yaml`` (``metering.clusters``) from the table in
 :mod:`hybridflow.metering.sources`: the local stand-in exporter, direct dcgm-exporter scrapes, or a
-Prometheus that already scrapes them. A pass covers one
-window (a DAG run's data interval) and stamps direct readings with the window's end, so clearing
-and re-running that run produces the same sample keys (the ledger upserts them). A direct scrape
-can only read the present: a re-run long after its window is skipped with a reason instead of
-recording today's values under an old time; Prometheus sources read the window itself.
+Prometheus that already scrapes them. A pass covers one window (a DAG run's data interval) and stamps
+direct readings with the window's end, so clearing and re-running that run produces the same sample
+keys (the ledger upserts them). A direct scrape can only read the present: a re-run long after its
+window is skipped with a reason instead of recording today's values under an old time; Prometheus
+sources read the window itself.
 """
 
 from __future__ import annotations
