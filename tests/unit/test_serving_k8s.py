@@ -345,3 +345,20 @@ def test_deploy_step_rolls_the_compressed_model_out_on_the_kubernetes_pool(tmp_p
     assert rec["endpoint"] == "http://digits.serving.svc:8080/v1/models/digits" and rec["model_version"] == version
     # Cleared and run again: the version already serves, nothing changes.
     assert pipeline.deploy(run, compressed)["strategy"] == "unchanged"
+
+
+def test_the_table_picks_the_kubernetes_target_for_an_estate_with_an_inference_pool(tmp_path, monkeypatch, rollout):
+    from hybridflow.config import load_estate
+    from hybridflow.serving import deploy_target
+    from hybridflow.serving.base import DeployRequest, roll
+    from hybridflow.serving.k8s import KubernetesTarget
+
+    _, store = rollout
+    _k8s_serving_estate(tmp_path, monkeypatch)
+    target = deploy_target(load_estate(tmp_path / "config", use_cache=False), "digits", state_dir=tmp_path / "state")
+    assert isinstance(target, KubernetesTarget)
+    done = roll(target, DeployRequest("v1", _bundle(tmp_path / "int8", "int8", "v1"), variant="int8"))
+    assert done == {"strategy": "first", "version": "v1", "previous": None, "cluster": "dc-k8s", "namespace": "serving",
+                    "endpoint_url": "http://digits.serving.svc:8080/v1/models/digits"}
+    assert _versions(store) == {"digits": "v1"}
+    assert (tmp_path / "models-volume" / "digits" / "v1" / "int8" / "model.json").is_file()  # published first

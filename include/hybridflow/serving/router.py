@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 HOST = "127.0.0.1"
@@ -96,95 +96,104 @@ def endpoint_of(path: str) -> str | None:
     return re.split(r"[:/]", rest, maxsplit=1)[0]
 
 
+ROUTES = "GET /healthz, GET /v1/models, GET /v1/models/<endpoint>, POST /v1/models/<endpoint>:predict"
+
+
+class GatewayHandler(BaseHTTPRequestHandler):
+    """Answers for the gateway and forwards model requests; :func:`make_handler` binds its state root."""
+
+    server_version = "hybridflow-gateway/1"
+    protocol_version = "HTTP/1.1"
+    state_root: ClassVar[Path]
+    identity: ClassVar[dict[str, Any]]
+
+    def _send(self, status: int, data: bytes, content_type: str, version: str | None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        if version:
+            self.send_header("X-Model-Version", version)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _json(self, status: int, body: dict[str, Any], version: str | None = None) -> None:
+        self._send(status, json.dumps(body).encode(), "application/json", version)
+
+    def _endpoints(self) -> dict[str, str | None]:
+        return {name: _active_version(self.state_root / name) for name in known_endpoints(self.state_root)}
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after answering why it cannot be read."""
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
+            self._json(411, {"error": "a valid Content-Length header is required"})
+            return None
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            self._json(413, {"error": f"body is {length} bytes; at most {MAX_BODY_BYTES}"})
+            return None
+        return self.rfile.read(length)
+
+    def _route(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        if method == "GET" and path == "/healthz":
+            self._json(200, {**self.identity, "status": "ok", "endpoints": self._endpoints()})
+            return
+        if method == "GET" and path.rstrip("/") == "/v1/models":
+            self._json(200, {"models": [{"name": n, "version": v} for n, v in self._endpoints().items()]})
+            return
+        endpoint = endpoint_of(path)
+        body = self._read_body() if method == "POST" else None
+        if method == "POST" and body is None:
+            return
+        if endpoint is None:
+            self._json(404, {"error": f"no route {method} {self.path}; use {ROUTES}"})
+            return
+        known = known_endpoints(self.state_root)
+        if endpoint not in known:
+            self._json(404, {"error": f"no endpoint {endpoint!r} on this gateway; known endpoints: "
+                                      f"{', '.join(known) or 'none (deploy a model first)'}"})
+            return
+        self._forward(method, endpoint, body)
+
+    def _forward(self, method: str, endpoint: str, body: bytes | None) -> None:
+        try:
+            backend = read_active(self.state_root / endpoint)
+        except NoBackend as exc:
+            self._json(503, {"error": str(exc)})
+            return
+        try:
+            status, data, ctype, version = forward(backend, method, self.path, body,
+                                                   self.headers.get("Content-Type"))
+        except (OSError, http.client.HTTPException) as exc:
+            self._json(502, {"error": f"{endpoint} version {backend['version']} at {backend['url']} "
+                                      f"did not answer: {exc}"}, backend["version"])
+            return
+        self._send(status, data, ctype, version or backend["version"])
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        self._route("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._route("POST")
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        # Successful requests are the load check's hundreds of lines; keep the log for problems.
+        if isinstance(code, int) and code < 400:
+            return
+        super().log_request(code, size)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+
 def make_handler(state_root: Path) -> type[BaseHTTPRequestHandler]:
     identity = {"router": True, "state_root": str(state_root), "pid": os.getpid()}
-    routes = "GET /healthz, GET /v1/models, GET /v1/models/<endpoint>, POST /v1/models/<endpoint>:predict"
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "hybridflow-gateway/1"
-        protocol_version = "HTTP/1.1"
-
-        def _send(self, status: int, data: bytes, content_type: str, version: str | None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            if version:
-                self.send_header("X-Model-Version", version)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _json(self, status: int, body: dict[str, Any], version: str | None = None) -> None:
-            self._send(status, json.dumps(body).encode(), "application/json", version)
-
-        def _endpoints(self) -> dict[str, str | None]:
-            return {name: _active_version(state_root / name) for name in known_endpoints(state_root)}
-
-        def _read_body(self) -> bytes | None:
-            """The request body, or None after answering why it cannot be read."""
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-                if length < 0:
-                    raise ValueError(length)
-            except ValueError:
-                self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
-                self._json(411, {"error": "a valid Content-Length header is required"})
-                return None
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._json(413, {"error": f"body is {length} bytes; at most {MAX_BODY_BYTES}"})
-                return None
-            return self.rfile.read(length)
-
-        def _route(self, method: str) -> None:
-            path = self.path.split("?", 1)[0]
-            if method == "GET" and path == "/healthz":
-                self._json(200, {**identity, "status": "ok", "endpoints": self._endpoints()})
-                return
-            if method == "GET" and path.rstrip("/") == "/v1/models":
-                self._json(200, {"models": [{"name": n, "version": v} for n, v in self._endpoints().items()]})
-                return
-            endpoint = endpoint_of(path)
-            body = self._read_body() if method == "POST" else None
-            if method == "POST" and body is None:
-                return
-            if endpoint is None:
-                self._json(404, {"error": f"no route {method} {self.path}; use {routes}"})
-                return
-            known = known_endpoints(state_root)
-            if endpoint not in known:
-                self._json(404, {"error": f"no endpoint {endpoint!r} on this gateway; known endpoints: "
-                                          f"{', '.join(known) or 'none (deploy a model first)'}"})
-                return
-            try:
-                backend = read_active(state_root / endpoint)
-            except NoBackend as exc:
-                self._json(503, {"error": str(exc)})
-                return
-            try:
-                status, data, ctype, version = forward(backend, method, self.path, body,
-                                                       self.headers.get("Content-Type"))
-            except (OSError, http.client.HTTPException) as exc:
-                self._json(502, {"error": f"{endpoint} version {backend['version']} at {backend['url']} "
-                                          f"did not answer: {exc}"}, backend["version"])
-                return
-            self._send(status, data, ctype, version or backend["version"])
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            self._route("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._route("POST")
-
-        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-            # Successful requests are the load check's hundreds of lines; keep the log for problems.
-            if isinstance(code, int) and code < 400:
-                return
-            super().log_request(code, size)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            sys.stderr.write(f"{self.address_string()} {format % args}\n")
-
-    return Handler
+    return type("Handler", (GatewayHandler,), {"state_root": state_root, "identity": identity})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,10 +22,10 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -143,6 +143,107 @@ def routes(endpoint: str) -> str:
     return f"GET /healthz, GET {MODELS_PREFIX}{endpoint}, POST {MODELS_PREFIX}{endpoint}:predict"
 
 
+class ModelHandler(BaseHTTPRequestHandler):
+    """Health, metadata and predictions of one model version; :func:`make_handler` binds the model."""
+
+    server_version = "hybridflow-model/1"
+    protocol_version = "HTTP/1.1"
+    predictor: ClassVar[Any]
+    schema: ClassVar[InputSchema]
+    endpoint: ClassVar[str]
+    version: ClassVar[str]
+    health: ClassVar[dict[str, Any]]
+    metadata: ClassVar[dict[str, Any]]
+    to_json: ClassVar[Callable[[Any, Any], list[Any]]]
+
+    @property
+    def model_path(self) -> str:
+        return f"{MODELS_PREFIX}{self.endpoint}"
+
+    @property
+    def predict_path(self) -> str:
+        return f"{self.model_path}:predict"
+
+    def _reply(self, status: int, body: dict[str, Any], allow: str | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Model-Version", self.version)
+        if allow:
+            self.send_header("Allow", allow)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _no_route(self) -> None:
+        if self.command == "POST":
+            self.close_connection = True  # its body is left unread
+        self._reply(404, {"error": f"no route {self.command} {self.path}; use {routes(self.endpoint)}"})
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self._reply(200, self.health)
+        elif path == self.model_path:
+            self._reply(200, self.metadata)
+        elif path == self.predict_path:
+            self._reply(405, {"error": f"use POST {self.predict_path}"}, allow="POST")
+        else:
+            self._no_route()
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after answering why it cannot be read."""
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
+            self._reply(411, {"error": "a valid Content-Length header is required"})
+            return None
+        if length > self.schema.max_body_bytes:
+            self.close_connection = True  # the unread body would poison a kept-alive connection
+            self._reply(413, {"error": f"body is {length} bytes; at most {self.schema.max_body_bytes}, "
+                                       "split the batch"})
+            return None
+        return self.rfile.read(length)
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.split("?", 1)[0] != self.predict_path:
+            self._no_route()
+            return
+        raw = self._read_body()
+        if raw is None:
+            return
+        endpoint, version, card = self.endpoint, self.version, self.predictor.card
+        try:
+            try:
+                payload = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise BadRequest(f"body is not valid JSON: {exc}") from exc
+            x = self.schema.parse(payload)
+        except BadRequest as exc:
+            self._reply(400, {"error": str(exc), "model": endpoint, "version": version})
+            return
+        try:
+            predictions = self.to_json(self.predictor.predict(x), card.output)
+        except Exception as exc:  # keep serving; the client sees why
+            self.log_error("prediction failed: %r", exc)
+            self._reply(500, {"error": f"prediction failed: {exc}", "model": endpoint, "version": version})
+            return
+        self._reply(200, {"predictions": predictions, "model": endpoint, "version": version})
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        # Successful requests are the load check's hundreds of lines; keep the log for problems.
+        if isinstance(code, int) and code < 400:
+            return
+        super().log_request(code, size)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        # One line per request to the log file the deployer points stderr at.
+        sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+
 def make_handler(predictor: Any, endpoint: str, version: str) -> type[BaseHTTPRequestHandler]:
     """``predictor``: a :class:`hybridflow.bundle.Predictor` (``card``, ``predict``)."""
     from hybridflow import scoring
@@ -153,86 +254,10 @@ def make_handler(predictor: Any, endpoint: str, version: str) -> type[BaseHTTPRe
               "model": card.model, "pid": os.getpid()}
     metadata = {"name": endpoint, "ready": True, "version": version, "inputs": schema.names,
                 "output": card.output}
-    model_path = f"{MODELS_PREFIX}{endpoint}"
-    predict_path = f"{model_path}:predict"
-
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "hybridflow-model/1"
-        protocol_version = "HTTP/1.1"
-
-        def _reply(self, status: int, body: dict[str, Any], allow: str | None = None) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-Model-Version", version)
-            if allow:
-                self.send_header("Allow", allow)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _no_route(self) -> None:
-            if self.command == "POST":
-                self.close_connection = True  # its body is left unread
-            self._reply(404, {"error": f"no route {self.command} {self.path}; use {routes(endpoint)}"})
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                self._reply(200, health)
-            elif path == model_path:
-                self._reply(200, metadata)
-            elif path == predict_path:
-                self._reply(405, {"error": f"use POST {predict_path}"}, allow="POST")
-            else:
-                self._no_route()
-
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.split("?", 1)[0] != predict_path:
-                self._no_route()
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-                if length < 0:
-                    raise ValueError(length)
-            except ValueError:
-                self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
-                self._reply(411, {"error": "a valid Content-Length header is required"})
-                return
-            if length > schema.max_body_bytes:
-                self.close_connection = True  # the unread body would poison a kept-alive connection
-                self._reply(413, {"error": f"body is {length} bytes; at most {schema.max_body_bytes}, "
-                                           "split the batch"})
-                return
-            raw = self.rfile.read(length)
-            try:
-                try:
-                    payload = json.loads(raw)
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    raise BadRequest(f"body is not valid JSON: {exc}") from exc
-                x = schema.parse(payload)
-            except BadRequest as exc:
-                self._reply(400, {"error": str(exc), "model": endpoint, "version": version})
-                return
-            try:
-                predictions = scoring.to_json(predictor.predict(x), card.output)
-            except Exception as exc:  # keep serving; the client sees why
-                self.log_error("prediction failed: %r", exc)
-                self._reply(500, {"error": f"prediction failed: {exc}", "model": endpoint, "version": version})
-                return
-            self._reply(200, {"predictions": predictions, "model": endpoint, "version": version})
-
-        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-            # Successful requests are the load check's hundreds of lines; keep the log for problems.
-            if isinstance(code, int) and code < 400:
-                return
-            super().log_request(code, size)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            # One line per request to the log file the deployer points stderr at.
-            sys.stderr.write(f"{self.address_string()} {format % args}\n")
-
-    return Handler
+    return type("Handler", (ModelHandler,), {
+        "predictor": predictor, "schema": schema, "endpoint": endpoint, "version": version, "health": health,
+        "metadata": metadata, "to_json": staticmethod(scoring.to_json),
+    })
 
 
 def build_server(bundle_dir: Path, endpoint: str, version: str, port: int, host: str = HOST) -> ThreadingHTTPServer:
