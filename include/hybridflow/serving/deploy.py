@@ -122,12 +122,20 @@ class LocalTarget(DeployTarget[_Started]):
         if request.smoke is None:
             raise ValueError("smoke: the local target smoke-tests every version through its server; pass the "
                              "held-out (inputs, targets)")
-        plan = DeployPlan(request.bundle_dir, request.version, self.endpoint, self.port, request.smoke(),
+        return DeployPlan(request.bundle_dir, request.version, self.endpoint, self.port, request.smoke(),
                           request.metric)
-        self.root = _root(self.state_root)
-        self.edir = endpoint_dir(self.root, self.endpoint)
-        self.vdir = self.edir / "versions"
-        return plan
+
+    @property
+    def root(self) -> Path:
+        return _root(self.state_root)
+
+    @property
+    def edir(self) -> Path:
+        return endpoint_dir(self.state_root, self.endpoint)
+
+    @property
+    def vdir(self) -> Path:
+        return self.edir / "versions"
 
     def exclusive(self) -> Any:
         self.vdir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +225,8 @@ class LocalTarget(DeployTarget[_Started]):
         }
 
     def shift(self, staged: _Started, percent: int) -> None:
-        """The switch: ``active.json`` names the new version, then the gateway must serve it."""
+        """The switch, all traffic at once (``percent`` is 100): ``active.json`` names the new version,
+        then the gateway must serve it."""
         staged.step = "verify after switch"
         plan, proc = staged.plan, staged.proc
         staged.switched = True
