@@ -178,3 +178,9 @@ def test_exporters_on_a_connection_need_a_lookup(estate, tmp_path):
     with pytest.raises(DcgmError, match="connection 'dcgm_a' is configured but no connection lookup"):
         read_cluster(estate.clusters["onprem-a"], metering, window_end=END, window=WINDOW, now=END,
                      state_dir=tmp_path)
+
+
+def test_the_configuration_accepts_exactly_the_names_in_the_table():
+    from typing import get_args
+
+    assert set(get_args(MeteringCluster.model_fields["source"].annotation)) == set(SOURCES)
