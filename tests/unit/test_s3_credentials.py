@@ -62,7 +62,8 @@ def _security_tokens(store: S3ObjectStore) -> list[str | None]:
 class StsEndpoint:
     """A local STS that answers AssumeRole with the keys it was given and records each call."""
 
-    def __init__(self, access: str, secret: str, *, lifetime: timedelta = timedelta(hours=1)) -> None:
+    def __init__(self, access: str, secret: str, *, lifetime: timedelta = timedelta(hours=1),
+                 refuse: bool = False) -> None:
         self.calls: list[dict[str, str]] = []
         outer = self
 
@@ -72,9 +73,16 @@ class StsEndpoint:
                 form = {k: v[0] for k, v in parse_qs(body).items()}
                 form["authorization"] = self.headers.get("Authorization", "")
                 outer.calls.append(form)
+                if refuse:
+                    self._answer(403, (
+                        '<ErrorResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><Error><Type>Sender</Type>'
+                        "<Code>AccessDenied</Code><Message>not authorized to perform sts:AssumeRole</Message>"
+                        "</Error><RequestId>1</RequestId></ErrorResponse>"
+                    ))
+                    return
                 token = f"hf-session-token-{len(outer.calls)}"
                 expires = (datetime.now(UTC) + lifetime).strftime("%Y-%m-%dT%H:%M:%SZ")
-                xml = (
+                self._answer(200, (
                     '<AssumeRoleResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><AssumeRoleResult>'
                     f"<Credentials><AccessKeyId>{access}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
                     f"<SessionToken>{token}</SessionToken><Expiration>{expires}</Expiration></Credentials>"
@@ -82,12 +90,15 @@ class StsEndpoint:
                     f"<Arn>{form.get('RoleArn', '')}/session</Arn></AssumedRoleUser>"
                     "</AssumeRoleResult><ResponseMetadata><RequestId>1</RequestId></ResponseMetadata>"
                     "</AssumeRoleResponse>"
-                ).encode()
-                self.send_response(200)
+                ))
+
+            def _answer(self, status: int, xml: str) -> None:
+                body = xml.encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "text/xml")
-                self.send_header("Content-Length", str(len(xml)))
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(xml)
+                self.wfile.write(body)
 
             def log_message(self, *args) -> None:
                 pass
@@ -251,3 +262,13 @@ def test_role_session_options_of_the_connection_reach_sts(rclone_s3, monkeypatch
         ))
         hook.get_store(_bucket()).ensure_bucket()
     assert sts.calls[0]["RoleSessionName"] == "hf-stage" and sts.calls[0]["DurationSeconds"] == "7200"
+
+
+def test_a_refused_assume_role_names_the_connection_and_the_role(rclone_s3, monkeypatch):
+    endpoint, access, secret, _ = rclone_s3
+    with StsEndpoint(access, secret, refuse=True) as sts:
+        hook = _set_conn(monkeypatch, "hf_cred_denied", _role_conn(endpoint, sts.url))
+        with pytest.raises(ConfigError, match=f"hf_cred_denied.*{ROLE}.*AccessDenied.*trust policy") as failed:
+            hook.store_spec(_bucket())
+    assert len(sts.calls) == 1  # refused, not retried
+    assert BASE_SECRET not in str(failed.value)

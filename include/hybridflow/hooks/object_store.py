@@ -85,7 +85,7 @@ class ObjectStoreHook(BaseHook):
 
         keys, source = None, "default credential chain"
         if config.role_arn:
-            keys, source = frozen_credentials(session()), f"role {config.role_arn}"
+            keys, source = self._assumed(session, config.role_arn), f"role {config.role_arn}"
         elif config.aws_access_key_id:
             keys = (config.aws_access_key_id, config.aws_secret_access_key, config.aws_session_token)
             source = "access key from the connection"
@@ -105,6 +105,19 @@ class ObjectStoreHook(BaseHook):
             session_token=token,
             session=session,
         )
+
+    def _assumed(self, session, role_arn: str) -> tuple[str, str, str | None] | None:
+        """The role's temporary keys (one AssumeRole), for child processes."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return frozen_credentials(session())
+        except (BotoCoreError, ClientError) as exc:
+            raise ConfigError(
+                f"connection {self.object_store_conn_id!r}: assuming role {role_arn} failed ({exc}); check "
+                "role_arn, the credentials it is assumed with (the connection's keys or the default chain) "
+                "and the role's trust policy"
+            ) from exc
 
     def get_store(self, bucket: str, prefix: str = "") -> S3ObjectStore:
         return S3ObjectStore.from_spec(self.store_spec(bucket, prefix))
