@@ -16,28 +16,29 @@ not leak slots: the next acquirer reclaims them.
 
 Workers die with their launcher (``PR_SET_PDEATHSIG``): an orphaned gang would keep training,
 keep its slots' GPUs busy and race a rerun for the same checkpoints.
+
+Its pieces: ``local_slots`` (the slot pool), ``local_processes`` (liveness, death with the
+launcher) and ``local_failures`` (what a failed gang raises); this module admits, launches and
+supervises gangs.
 """
+
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hybridflow
-from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding, standing_in
+from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding
 from hybridflow.backends.errors import (  # noqa: F401 - the train task and tests import them from here
     GangFailed,
     GangNotAdmitted,
@@ -45,12 +46,31 @@ from hybridflow.backends.errors import (  # noqa: F401 - the train task and test
     GangStopped,
     GangWorkerExit,
 )
+from hybridflow.backends.local_failures import (  # noqa: F401 - tests import them from here
+    PREEMPTED_EXIT_CODE,
+    _gang_error,
+    _last_error,
+    _tail,
+)
+from hybridflow.backends.local_processes import (  # noqa: F401 - tests import them from here
+    _PR_SET_PDEATHSIG,
+    _cmdline,
+    _die_with_parent,
+    _free_port,
+    _proc_stat,
+    _start_ticks,
+    pid_alive,
+)
+from hybridflow.backends.local_slots import (  # noqa: F401 - the train task and tests import them from here
+    PRIORITY_RANK,
+    TEAMS_LOCK,
+    LocalSlotPool,
+    _atomic_write_json,
+    _read_json,
+)
 from hybridflow.errors import GangError
 
-# Same value as hybridflow.training.worker.PREEMPTED_EXIT_CODE; not imported because that pulls in torch.
-PREEMPTED_EXIT_CODE = 75
 WORKER_MODULE = "hybridflow.training.worker"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -62,316 +82,60 @@ class GangResult:
     queued_s: float = 0.0  # waited for admission, since the gang first queued
 
 
-# -- process helpers ---------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) from /proc, or None if there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name may contain spaces and parentheses; fields resume after the last ')'.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
-def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """True if ``pid`` runs (not a zombie) and, when given, started at ``start_ticks`` (guards pid reuse)."""
-    if pid <= 0:
-        return False
-    stat = _proc_stat(pid)
-    if stat is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    state, started = stat
-    if state in ("Z", "X"):
-        return False
-    return start_ticks is None or started == start_ticks
-
-
-def _start_ticks(pid: int) -> int | None:
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:
-        # The launcher may run with SIGTERM ignored or blocked (a task runner's own signal
-        # handling); both survive exec and would make the worker deaf to its death signal.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        # The launcher may have died between fork and prctl; then nobody would ever signal us.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def _tail(path: Path, lines: int = 25, max_lines: int = 80) -> str:
-    """The log's last ``lines`` lines, or from its last traceback on (up to ``max_lines``), so a
-    training function's error reaches the task log whole."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 65536))
-            text = fh.read().decode(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
-    if starts and len(text) - starts[-1] > lines:
-        return "\n".join(text[max(starts[-1] - 2, len(text) - max_lines):])
-    return "\n".join(text[-lines:])
-
-
-def _last_error(path: Path) -> str | None:
-    """The exception line that ends the last traceback in a worker's log, if it has one."""
-    lines = _tail(path, lines=80).splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return None
-    after = [line for line in lines[starts[-1]:] if line and not line[0].isspace() and ": " in line]
-    return after[-1].strip() if after else None
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _atomic_write_json(path: Path, body: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
-    tmp.replace(path)
-
-
-# -- slot pool ---------------------------------------------------------------------------------
-PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}
-TEAMS_LOCK = "_teams.lock"
-
-
-class LocalSlotPool:
-    """``capacity`` slots of one cluster, shared across processes via a JSON file under flock.
-
-    flock on a freshly opened file excludes other processes *and* other threads of this process
-    (each open is its own lock owner), unlike lockf.
-
-    Gangs that wait leave a ticket (``queue=True``); slots go to tickets in priority then arrival
-    order, and a gang never overtakes a ticket ranked ahead of it (no starving a big gang behind
-    a stream of small ones). A ticket held back only by its own team's cap does not block others.
-    Team caps span every cluster under ``state_dir``: acquires with a cap take one estate-wide lock
-    first (always before a cluster lock, so two locks never deadlock), and only acquires raise a
-    team's count, so the count read under that lock is exact.
-    """
-
-    def __init__(self, state_dir: Path, cluster: str, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"cluster {cluster!r} needs at least one slot, got capacity {capacity}")
-        self.cluster = cluster
-        self.capacity = capacity
-        self.dir = Path(state_dir) / "slots"
-        self.path = self.dir / f"{cluster}.json"
-        self.lock_path = self.dir / f"{cluster}.lock"
-
-    @contextmanager
-    def _flock(self, path: Path) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-    @contextmanager
-    def _locked(self) -> Iterator[dict]:
-        with self._flock(self.lock_path):
-            try:
-                state = json.loads(self.path.read_text())
-            except FileNotFoundError:
-                state = {}
-            state.setdefault("holdings", {})
-            state.setdefault("waiting", {})
-            before = json.dumps(state, sort_keys=True)
-            self._reclaim_dead(state["holdings"])
-            self._reclaim_dead(state["waiting"])
-            yield state
-            if json.dumps(state, sort_keys=True) != before:
-                _atomic_write_json(self.path, state)
-
-    def _reclaim_dead(self, holdings: dict) -> None:
-        now = time.time()
-        for name, h in list(holdings.items()):
-            # A lease (slots reserved by a waiting task's trigger) lapses if its task never comes for them.
-            if not pid_alive(int(h["pid"]), h.get("pid_start")) or h.get("lease_until", now) < now:
-                del holdings[name]
-
-    def _team_held_elsewhere(self, team: str) -> int:
-        """GPUs ``team`` holds on the other clusters' pools (read under the teams lock)."""
-        held = 0
-        for path in self.dir.glob("*.json"):
-            if path == self.path:
-                continue
-            try:
-                holdings = json.loads(path.read_text()).get("holdings", {})
-            except (FileNotFoundError, ValueError):
-                continue
-            held += sum(
-                int(h["slots"]) for h in holdings.values()
-                if h.get("team") == team and pid_alive(int(h["pid"]), h.get("pid_start"))
-            )
-        return held
-
-    def try_acquire(
-        self,
-        job_name: str,
-        n: int,
-        pid: int | None = None,
-        *,
-        priority: str = "normal",
-        team: str | None = None,
-        team_cap: int | None = None,
-        queue: bool = False,
-        since: float | None = None,
-        lease_s: float | None = None,
-        team_outside: int = 0,
-    ) -> bool:
-        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
-        slots the job already holds moves them to ``pid`` (and drops any lease).
-
-        ``queue=True`` leaves (or refreshes) a ticket when the gang cannot start yet; it is removed
-        when the gang is admitted, by :meth:`withdraw`, or when its process dies. ``since`` keeps a
-        gang's place when its ticket is taken over by another process (a deferred task's trigger).
-        ``lease_s``: the slots are reserved for that long only, unless the job takes them again.
-        """
-        if n < 1:
-            raise ValueError(f"a gang needs at least one worker, got {n}")
-        if n > self.capacity:
+def _check_job(job: GangJob) -> None:
+    """The job's name and attempt name folders; a gang has at least one worker."""
+    for label, value in (("job name", job.name), ("attempt", job.attempt)):
+        if not value or "/" in value or value in (".", ".."):
             raise GangError(
-                f"gang {job_name!r} needs {n} slots but cluster {self.cluster!r} has only "
-                f"{self.capacity}; request at most {self.capacity} workers"
+                f"{label} {value!r} cannot name a folder; use letters, numbers, '-', '_' or '.'"
             )
-        if priority not in PRIORITY_RANK:
-            raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_RANK)}")
-        pid = os.getpid() if pid is None else pid
-        if team is not None and team_cap is not None:
-            with self._flock(self.dir / TEAMS_LOCK):
-                elsewhere = self._team_held_elsewhere(team) + team_outside
-                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue, since, lease_s)
-        return self._try(job_name, n, pid, priority, team, None, 0, queue, since, lease_s)
+    if job.workers < 1:
+        raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
 
-    def _try(self, job_name: str, n: int, pid: int, priority: str, team: str | None, team_cap: int | None,
-             team_elsewhere: int, queue: bool, since: float | None, lease_s: float | None) -> bool:
-        with self._locked() as state:
-            holdings, waiting = state["holdings"], state["waiting"]
-            mine = holdings.get(job_name)
-            ticket = waiting.get(job_name)
-            now = time.time()
-            since = ticket["since"] if ticket else (since or now)
-            used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
-            over_cap = False
-            if team_cap is not None:
-                team_here = sum(
-                    int(h["slots"]) for name, h in holdings.items() if name != job_name and h.get("team") == team
+
+def _gang_env(job: GangJob, port: int) -> dict[str, str]:
+    """The environment every worker of the gang starts with (rendezvous on loopback at ``port``)."""
+    base_env = dict(os.environ)
+    base_env.update(job.env)
+    include_dir = str(Path(hybridflow.__file__).resolve().parents[1])
+    base_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (include_dir, base_env.get("PYTHONPATH")) if p
+    )
+    base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gang talks over loopback only
+    base_env.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(job.workers),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return base_env
+
+
+def _launch(
+    job: GangJob,
+    base_env: dict[str, str],
+    spec_path: Path,
+    run_dir: Path,
+    log_paths: list[Path],
+    procs: list[subprocess.Popen],
+) -> None:
+    """Start one worker per rank, each appended to ``procs`` as it starts (the caller stops them)."""
+    for rank in range(job.workers):
+        env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+        with open(log_paths[rank], "ab") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", WORKER_MODULE, "--spec", str(spec_path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=run_dir,
+                    preexec_fn=_die_with_parent(os.getpid()),
                 )
-                over_cap = team_elsewhere + team_here + n > team_cap
-            my_rank = (PRIORITY_RANK[priority], since)
-            ahead = [
-                name for name, t in waiting.items()
-                if name != job_name and not t.get("over_cap")
-                and (PRIORITY_RANK.get(t.get("priority"), 1), t["since"]) < my_rank
-            ]
-            if mine is None and (over_cap or ahead or used + n > self.capacity):
-                if queue:
-                    waiting[job_name] = {
-                        "slots": n, "priority": priority, "team": team, "over_cap": over_cap,
-                        "since": since, "pid": pid, "pid_start": _start_ticks(pid),
-                    }
-                return False
-            waiting.pop(job_name, None)
-            holdings[job_name] = {
-                "slots": n,
-                "pid": pid,
-                "pid_start": _start_ticks(pid),
-                "priority": priority,
-                "team": team,
-                "since": mine["since"] if mine else now,
-                "queued_since": mine.get("queued_since", since) if mine else since,
-            }
-            if lease_s is not None:
-                holdings[job_name]["lease_until"] = now + lease_s
-            return True
-
-    def withdraw(self, job_name: str) -> None:
-        """Drop the gang's waiting ticket (it gave up or failed over)."""
-        with self._locked() as state:
-            state["waiting"].pop(job_name, None)
-
-    def release(self, job_name: str) -> None:
-        with self._locked() as state:
-            state["holdings"].pop(job_name, None)
-
-    def usage(self) -> int:
-        with self._locked() as state:
-            return sum(int(h["slots"]) for h in state["holdings"].values())
-
-    def queued(self) -> int:
-        """Slots asked for by gangs waiting for admission."""
-        with self._locked() as state:
-            return sum(int(t["slots"]) for t in state["waiting"].values())
-
-    def holdings(self) -> dict[str, dict]:
-        with self._locked() as state:
-            return dict(state["holdings"])
-
-    def waiting(self) -> dict[str, dict]:
-        with self._locked() as state:
-            return dict(state["waiting"])
-
-    def load(self) -> ClusterLoad:
-        """Held, queued and per-team slots, and the waiting gangs in admission order (a gang held
-        only by its team's cap does not block the others: it comes last)."""
-        with self._locked() as state:
-            holdings, waiting = dict(state["holdings"]), dict(state["waiting"])
-        teams: dict[str, int] = {}
-        for h in holdings.values():
-            if h.get("team"):
-                teams[h["team"]] = teams.get(h["team"], 0) + int(h["slots"])
-        order = sorted(waiting.items(), key=lambda kv: (bool(kv[1].get("over_cap")),
-                                                        PRIORITY_RANK.get(kv[1].get("priority"), 1), kv[1]["since"]))
-        return ClusterLoad(
-            cluster=self.cluster, capacity=self.capacity, used=sum(int(h["slots"]) for h in holdings.values()),
-            queued=sum(int(t["slots"]) for t in waiting.values()), teams=teams,
-            waiting=tuple((name, int(t["slots"]), t.get("priority") or "normal", t.get("team")) for name, t in order),
-        )
-
-    def standing(self, job_name: str) -> QueueStanding:
-        load = self.load()
-        over_cap = bool(self.waiting().get(job_name, {}).get("over_cap"))
-        found = standing_in(load, job_name)
-        return QueueStanding(found.cluster, found.position, found.gpus_ahead, found.free, found.capacity, over_cap)
+            )
 
 
 # -- gang backend ------------------------------------------------------------------------------
@@ -512,13 +276,7 @@ class LocalGangBackend(GangBackend):
         are released however this ends. Call from a long-lived thread: PR_SET_PDEATHSIG fires when
         the launching *thread* exits.
         """
-        for label, value in (("job name", job.name), ("attempt", job.attempt)):
-            if not value or "/" in value or value in (".", ".."):
-                raise GangError(
-                    f"{label} {value!r} cannot name a folder; use letters, numbers, '-', '_' or '.'"
-                )
-        if job.workers < 1:
-            raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
+        _check_job(job)
         if hasattr(log, "info"):  # a logging/structlog logger, e.g. an operator's self.log
             log = log.info
         queued_s = self._admit(job, admission_timeout_s, log, queued_since)
@@ -535,21 +293,7 @@ class LocalGangBackend(GangBackend):
             _atomic_write_json(spec_path, job.spec)
             log_paths = [run_dir / f"rank-{r}.log" for r in range(job.workers)]
             port = _free_port()
-            base_env = dict(os.environ)
-            base_env.update(job.env)
-            include_dir = str(Path(hybridflow.__file__).resolve().parents[1])
-            base_env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (include_dir, base_env.get("PYTHONPATH")) if p
-            )
-            base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gang talks over loopback only
-            base_env.update(
-                {
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "WORLD_SIZE": str(job.workers),
-                    "PYTHONUNBUFFERED": "1",
-                }
-            )
+            base_env = _gang_env(job, port)
             log(
                 f"gang {job.name} attempt {job.attempt}: starting {job.workers} workers on "
                 f"{self.cluster} (master 127.0.0.1:{port}, logs {run_dir})"
@@ -557,71 +301,13 @@ class LocalGangBackend(GangBackend):
             # A reused attempt label appends to its logs; stream only what this launch writes.
             rank0_offset = log_paths[0].stat().st_size if log_paths[0].exists() else 0
             started = time.monotonic()
-            for rank in range(job.workers):
-                env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-                with open(log_paths[rank], "ab") as out:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-m", WORKER_MODULE, "--spec", str(spec_path)],
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            env=env,
-                            cwd=run_dir,
-                            preexec_fn=_die_with_parent(os.getpid()),
-                        )
-                    )
-            # Also read (never written) by metering.local_exporter, the stand-in dcgm-exporter of
-            # local slots: keep "cluster", "labels" and "workers" (rank, pid) when changing this.
-            _atomic_write_json(
-                self._record_path(job.name),
-                {
-                    "attempt": job.attempt,
-                    "cluster": self.cluster,
-                    "labels": dict(job.labels),
-                    "launcher_pid": os.getpid(),
-                    "workers": [
-                        {"rank": r, "pid": p.pid, "pid_start": _start_ticks(p.pid)}
-                        for r, p in enumerate(procs)
-                    ],
-                },
-            )
+            _launch(job, base_env, spec_path, run_dir, log_paths, procs)
+            self._write_record(job, procs)
             codes, first_failure = self._supervise(job, procs, log_paths[0], rank0_offset, log)
             seconds = time.monotonic() - started
             failed = [(r, c) for r, c in enumerate(codes) if c != 0]
             if failed:
-                rank, code = first_failure or failed[0]
-                others = ", ".join(f"rank {r}: {c}" for r, c in failed if r != rank) or "none"
-                tail = _tail(log_paths[rank])
-                stop = _read_json(self._stop_path(job.name))
-                if code == PREEMPTED_EXIT_CODE and stop is not None:
-                    self._stop_path(job.name).unlink(missing_ok=True)
-                    raise GangStopped(
-                        f"gang {job.name!r} was stopped after checkpointing: {stop.get('reason')}",
-                        reason=str(stop.get("reason")),
-                        rank=rank,
-                        exit_code=code,
-                        log_tail=tail,
-                    )
-                if code == PREEMPTED_EXIT_CODE:
-                    raise GangPreempted(
-                        f"gang {job.name!r} was preempted (rank {rank} exited {code} after checkpointing); "
-                        f"rerun to resume from the last checkpoint. Log {log_paths[rank]}:\n{tail}",
-                        rank=rank,
-                        exit_code=code,
-                        log_tail=tail,
-                    )
-                # The first rank to exit is often a peer that lost the collective, not the one that
-                # raised: name every other rank's own error too.
-                causes = "".join(f"\nrank {r} raised: {err}" for r, _ in failed
-                                 if r != rank and (err := _last_error(log_paths[r])))
-                raise GangFailed(
-                    f"gang {job.name!r} failed: rank {rank} exited with code {code} (other ranks: {others}). "
-                    f"Log {log_paths[rank]}, last lines:\n{tail}{causes}",
-                    rank=rank,
-                    exit_code=code,
-                    log_tail=tail,
-                )
+                self._raise_failure(job, failed, first_failure, log_paths)
             log(f"gang {job.name}: all {job.workers} workers finished in {seconds:.1f}s")
             return GangResult(exit_codes=codes, seconds=seconds, log_paths=log_paths, job_dir=run_dir,
                               queued_s=queued_s)
@@ -629,6 +315,37 @@ class LocalGangBackend(GangBackend):
             self._terminate(procs)
             self._record_path(job.name).unlink(missing_ok=True)
             self.pool.release(job.name)
+
+    def _write_record(self, job: GangJob, procs: list[subprocess.Popen]) -> None:
+        # Also read (never written) by metering.local_exporter, the stand-in dcgm-exporter of
+        # local slots: keep "cluster", "labels" and "workers" (rank, pid) when changing this.
+        _atomic_write_json(
+            self._record_path(job.name),
+            {
+                "attempt": job.attempt,
+                "cluster": self.cluster,
+                "labels": dict(job.labels),
+                "launcher_pid": os.getpid(),
+                "workers": [
+                    {"rank": r, "pid": p.pid, "pid_start": _start_ticks(p.pid)}
+                    for r, p in enumerate(procs)
+                ],
+            },
+        )
+
+    def _raise_failure(
+        self,
+        job: GangJob,
+        failed: list[tuple[int, int]],
+        first_failure: tuple[int, int] | None,
+        log_paths: list[Path],
+    ) -> NoReturn:
+        """GangStopped, GangPreempted or GangFailed for the gang's failed ranks ((rank, code) each)."""
+        rank, code = first_failure or failed[0]
+        stop = _read_json(self._stop_path(job.name))
+        if code == PREEMPTED_EXIT_CODE and stop is not None:
+            self._stop_path(job.name).unlink(missing_ok=True)
+        raise _gang_error(job.name, failed, rank, code, log_paths, stop)
 
     def _supervise(
         self,

@@ -1,0 +1,238 @@
+"""The local backend's slot pool: a cluster's GPUs as slots in a JSON file under flock, shared by every
+launcher on the machine, with priority-ordered tickets and estate-wide team caps."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hybridflow.backends.base import ClusterLoad, QueueStanding, standing_in
+from hybridflow.backends.local_processes import _start_ticks, pid_alive
+from hybridflow.errors import GangError
+
+
+# Small state files (slot pools, job records), replaced whole so a reader never sees half of one.
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _atomic_write_json(path: Path, body: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}
+TEAMS_LOCK = "_teams.lock"
+
+
+class LocalSlotPool:
+    """``capacity`` slots of one cluster, shared across processes via a JSON file under flock.
+
+    flock on a freshly opened file excludes other processes *and* other threads of this process
+    (each open is its own lock owner), unlike lockf.
+
+    Gangs that wait leave a ticket (``queue=True``); slots go to tickets in priority then arrival
+    order, and a gang never overtakes a ticket ranked ahead of it (no starving a big gang behind
+    a stream of small ones). A ticket held back only by its own team's cap does not block others.
+    Team caps span every cluster under ``state_dir``: acquires with a cap take one estate-wide lock
+    first (always before a cluster lock, so two locks never deadlock), and only acquires raise a
+    team's count, so the count read under that lock is exact.
+    """
+
+    def __init__(self, state_dir: Path, cluster: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"cluster {cluster!r} needs at least one slot, got capacity {capacity}")
+        self.cluster = cluster
+        self.capacity = capacity
+        self.dir = Path(state_dir) / "slots"
+        self.path = self.dir / f"{cluster}.json"
+        self.lock_path = self.dir / f"{cluster}.lock"
+
+    @contextmanager
+    def _flock(self, path: Path) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        with self._flock(self.lock_path):
+            try:
+                state = json.loads(self.path.read_text())
+            except FileNotFoundError:
+                state = {}
+            state.setdefault("holdings", {})
+            state.setdefault("waiting", {})
+            before = json.dumps(state, sort_keys=True)
+            self._reclaim_dead(state["holdings"])
+            self._reclaim_dead(state["waiting"])
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                _atomic_write_json(self.path, state)
+
+    def _reclaim_dead(self, holdings: dict) -> None:
+        now = time.time()
+        for name, h in list(holdings.items()):
+            # A lease (slots reserved by a waiting task's trigger) lapses if its task never comes for them.
+            if not pid_alive(int(h["pid"]), h.get("pid_start")) or h.get("lease_until", now) < now:
+                del holdings[name]
+
+    def _team_held_elsewhere(self, team: str) -> int:
+        """GPUs ``team`` holds on the other clusters' pools (read under the teams lock)."""
+        held = 0
+        for path in self.dir.glob("*.json"):
+            if path == self.path:
+                continue
+            try:
+                holdings = json.loads(path.read_text()).get("holdings", {})
+            except (FileNotFoundError, ValueError):
+                continue
+            held += sum(
+                int(h["slots"]) for h in holdings.values()
+                if h.get("team") == team and pid_alive(int(h["pid"]), h.get("pid_start"))
+            )
+        return held
+
+    def try_acquire(
+        self,
+        job_name: str,
+        n: int,
+        pid: int | None = None,
+        *,
+        priority: str = "normal",
+        team: str | None = None,
+        team_cap: int | None = None,
+        queue: bool = False,
+        since: float | None = None,
+        lease_s: float | None = None,
+        team_outside: int = 0,
+    ) -> bool:
+        """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
+        slots the job already holds moves them to ``pid`` (and drops any lease).
+
+        ``queue=True`` leaves (or refreshes) a ticket when the gang cannot start yet; it is removed
+        when the gang is admitted, by :meth:`withdraw`, or when its process dies. ``since`` keeps a
+        gang's place when its ticket is taken over by another process (a deferred task's trigger).
+        ``lease_s``: the slots are reserved for that long only, unless the job takes them again.
+        """
+        if n < 1:
+            raise ValueError(f"a gang needs at least one worker, got {n}")
+        if n > self.capacity:
+            raise GangError(
+                f"gang {job_name!r} needs {n} slots but cluster {self.cluster!r} has only "
+                f"{self.capacity}; request at most {self.capacity} workers"
+            )
+        if priority not in PRIORITY_RANK:
+            raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_RANK)}")
+        pid = os.getpid() if pid is None else pid
+        if team is not None and team_cap is not None:
+            with self._flock(self.dir / TEAMS_LOCK):
+                elsewhere = self._team_held_elsewhere(team) + team_outside
+                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue, since, lease_s)
+        return self._try(job_name, n, pid, priority, team, None, 0, queue, since, lease_s)
+
+    def _try(self, job_name: str, n: int, pid: int, priority: str, team: str | None, team_cap: int | None,
+             team_elsewhere: int, queue: bool, since: float | None, lease_s: float | None) -> bool:
+        with self._locked() as state:
+            holdings, waiting = state["holdings"], state["waiting"]
+            mine = holdings.get(job_name)
+            ticket = waiting.get(job_name)
+            now = time.time()
+            since = ticket["since"] if ticket else (since or now)
+            used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
+            over_cap = False
+            if team_cap is not None:
+                team_here = sum(
+                    int(h["slots"]) for name, h in holdings.items() if name != job_name and h.get("team") == team
+                )
+                over_cap = team_elsewhere + team_here + n > team_cap
+            my_rank = (PRIORITY_RANK[priority], since)
+            ahead = [
+                name for name, t in waiting.items()
+                if name != job_name and not t.get("over_cap")
+                and (PRIORITY_RANK.get(t.get("priority"), 1), t["since"]) < my_rank
+            ]
+            if mine is None and (over_cap or ahead or used + n > self.capacity):
+                if queue:
+                    waiting[job_name] = {
+                        "slots": n, "priority": priority, "team": team, "over_cap": over_cap,
+                        "since": since, "pid": pid, "pid_start": _start_ticks(pid),
+                    }
+                return False
+            waiting.pop(job_name, None)
+            holdings[job_name] = {
+                "slots": n,
+                "pid": pid,
+                "pid_start": _start_ticks(pid),
+                "priority": priority,
+                "team": team,
+                "since": mine["since"] if mine else now,
+                "queued_since": mine.get("queued_since", since) if mine else since,
+            }
+            if lease_s is not None:
+                holdings[job_name]["lease_until"] = now + lease_s
+            return True
+
+    def withdraw(self, job_name: str) -> None:
+        """Drop the gang's waiting ticket (it gave up or failed over)."""
+        with self._locked() as state:
+            state["waiting"].pop(job_name, None)
+
+    def release(self, job_name: str) -> None:
+        with self._locked() as state:
+            state["holdings"].pop(job_name, None)
+
+    def usage(self) -> int:
+        with self._locked() as state:
+            return sum(int(h["slots"]) for h in state["holdings"].values())
+
+    def queued(self) -> int:
+        """Slots asked for by gangs waiting for admission."""
+        with self._locked() as state:
+            return sum(int(t["slots"]) for t in state["waiting"].values())
+
+    def holdings(self) -> dict[str, dict]:
+        with self._locked() as state:
+            return dict(state["holdings"])
+
+    def waiting(self) -> dict[str, dict]:
+        with self._locked() as state:
+            return dict(state["waiting"])
+
+    def load(self) -> ClusterLoad:
+        """Held, queued and per-team slots, and the waiting gangs in admission order (a gang held
+        only by its team's cap does not block the others: it comes last)."""
+        with self._locked() as state:
+            holdings, waiting = dict(state["holdings"]), dict(state["waiting"])
+        teams: dict[str, int] = {}
+        for h in holdings.values():
+            if h.get("team"):
+                teams[h["team"]] = teams.get(h["team"], 0) + int(h["slots"])
+        order = sorted(waiting.items(), key=lambda kv: (bool(kv[1].get("over_cap")),
+                                                        PRIORITY_RANK.get(kv[1].get("priority"), 1), kv[1]["since"]))
+        return ClusterLoad(
+            cluster=self.cluster, capacity=self.capacity, used=sum(int(h["slots"]) for h in holdings.values()),
+            queued=sum(int(t["slots"]) for t in waiting.values()), teams=teams,
+            waiting=tuple((name, int(t["slots"]), t.get("priority") or "normal", t.get("team")) for name, t in order),
+        )
+
+    def standing(self, job_name: str) -> QueueStanding:
+        load = self.load()
+        over_cap = bool(self.waiting().get(job_name, {}).get("over_cap"))
+        found = standing_in(load, job_name)
+        return QueueStanding(found.cluster, found.position, found.gpus_ahead, found.free, found.capacity, over_cap)
