@@ -1,6 +1,7 @@
 """``hybridflow``: the operator's command line for the embedded default.
 
-    hybridflow demo            set up and run the training pipeline end to end, print where things are
+    hybridflow demo            set up and run the training pipeline end to end (metered, its day
+                               allocated and budgets evaluated), print where things are
     hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
     hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
     hybridflow seed [DATASET...]
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -55,14 +57,34 @@ def _newest_record(private_root: Path, since: float) -> dict | None:
 
 
 def cmd_demo(args) -> int:
+    from hybridflow.config import load_estate
+    from hybridflow.devenv.demo_costs import DemoMeter, meterable_clusters
     from hybridflow.devenv.stack import DevStack
 
     stack = DevStack.default()
     env = _prepare(stack)
+    os.environ.update(env)  # metering and allocation run here: the tasks' settings, ledger and connections
+    for name in ("alembic", "matplotlib", "hybridflow"):  # their progress lines; warnings still show
+        logging.getLogger(name).setLevel(logging.WARNING)
     conf = json.loads(args.conf) if args.conf else {}
     started = time.time()
     log_path = stack.dev_dir / f"demo-{int(started)}.log"
     print(f"Running {DAG_ID} with {conf or 'default Params'} (full log: {log_path})", flush=True)
+    meter = DemoMeter(meterable_clusters(load_estate(stack.settings.config_dir))).start()
+    try:
+        returncode = _run_pipeline(conf, env, log_path, quiet=args.quiet)
+    finally:
+        metered = meter.stop()
+    record = _newest_record(stack.settings.private_root, started)
+    if returncode != 0 or record is None:
+        print(f"\nThe pipeline run failed; see {log_path}", file=sys.stderr)
+        return 1
+    _print_run(record, stack, time.time() - started)
+    return _allocate_costs(record, metered, started)
+
+
+def _run_pipeline(conf: dict, env: dict[str, str], log_path: Path, *, quiet: bool) -> int:
+    """``airflow dags test`` of the pipeline, its output to ``log_path`` (and the terminal unless quiet)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [_airflow(), "dags", "test", DAG_ID, "-c", json.dumps(conf)],
@@ -73,14 +95,12 @@ def cmd_demo(args) -> int:
         )
         for line in proc.stdout:
             log.write(line)
-            if not args.quiet:
+            if not quiet:
                 sys.stdout.write(line)
-        proc.wait()
-    record = _newest_record(stack.settings.private_root, started)
-    if proc.returncode != 0 or record is None:
-        print(f"\nThe pipeline run failed; see {log_path}", file=sys.stderr)
-        return 1
-    wall = time.time() - started
+        return proc.wait()
+
+
+def _print_run(record: dict, stack, wall: float) -> None:
     print(f"\n=== {DAG_ID} finished in {wall:.1f} s ===")
     print(f"run:               {record['run_id']} ({record['run_key']})")
     print(f"placement:         {record['cluster']} ({record['location']}, {record['pricing_class']})")
@@ -98,6 +118,37 @@ def cmd_demo(args) -> int:
     else:
         print("endpoint:          not deployed (deploy=false)")
     print(f"Airflow env:       source {stack.env_file}   # then: airflow dags list-runs {DAG_ID}")
+
+
+def _allocate_costs(record: dict, metered, started: float) -> int:
+    """Allocate the days the demo spanned, as the nightly DAGs would, and print what it cost."""
+    from datetime import UTC, datetime
+
+    from hybridflow.devenv.demo_costs import allocate_demo_days, days_between
+    from hybridflow.errors import HybridFlowError
+
+    print("\n=== GPU metering and cost allocation ===")
+    print(f"metering:          {metered.passes} passes, {metered.samples} GPU samples stored, "
+          f"{metered.attributed} of them tied to runs")
+    for error in metered.errors[:5]:
+        print(f"metering problem:  {error}", file=sys.stderr)
+    days = days_between(datetime.fromtimestamp(started, UTC), datetime.now(UTC))
+    try:
+        costs = allocate_demo_days(days)
+    except (HybridFlowError, OSError, ValueError) as exc:
+        print(f"The run succeeded but its cost allocation failed: {exc}", file=sys.stderr)
+        return 1
+    effective = costs["effective_gpu_hours"]
+    print(f"allocated {', '.join(d.isoformat() for d in days)}: {costs['gpu_hours']:.4f} GPU-hours"
+          f"{'' if effective is None else f' ({effective:.4f} effective)'}, {costs['cost_usd']:,.4f} USD to "
+          f"projects; idle owned capacity {costs['idle_cost_usd']:,.2f} USD")
+    for evaluated in costs["budgets"]:
+        mine = [p for p in evaluated["projects"] if p["project"] == record["project"]]
+        state = (f"{mine[0]['spend_usd']:,.2f} of {mine[0]['budget_usd']:,.2f} USD ({mine[0]['share']:.2%})"
+                 + (", FROZEN" if mine[0]["frozen"] else "")) if mine else "no budget in budgets.yaml"
+        print(f"budget {evaluated['period']}:    {record['project']} {state}")
+    print(f"cost report:       {costs['allocations'][-1]['files']}/report.html")
+    print("GPU costs page:    hybridflow ui, then Browse -> GPU costs & budgets; the run's Cost & budget tab")
     return 0
 
 
@@ -336,7 +387,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the training pipeline end to end on the embedded default")
+    demo = sub.add_parser("demo", help="run the training pipeline end to end on the embedded default, then allocate its GPU cost")
     demo.add_argument("--conf", help='trigger Params as JSON, e.g. \'{"cluster_preference": "public"}\'')
     demo.add_argument("--quiet", action="store_true", help="only print the summary")
     demo.set_defaults(func=cmd_demo)

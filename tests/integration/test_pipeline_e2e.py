@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,23 @@ def _demo(estate, conf: dict) -> tuple[subprocess.CompletedProcess, dict | None]
     records = [p for p in (estate["home"] / "private" / "records").glob("*/*.json") if p.stat().st_mtime >= started]
     record = json.loads(max(records, key=lambda p: p.stat().st_mtime).read_text()) if records else None
     return proc, record
+
+
+def _ledger_rows(estate, sql: str, **params) -> list[tuple]:
+    """Rows of a query on the demo's ledger (HYBRIDFLOW_LEDGER_URL, else its SQLite file in the home)."""
+    from sqlalchemy import create_engine, text
+
+    url = os.environ.get("HYBRIDFLOW_LEDGER_URL") or f"sqlite:///{estate['home'] / 'ledger' / 'ledger.db'}"
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql), params)]
+    finally:
+        engine.dispose()
+
+
+def _recorded_day(record: dict) -> str:
+    return datetime.fromisoformat(record["recorded_at"]).astimezone(UTC).date().isoformat()
 
 
 def _predict(port: int, rows: list, endpoint: str = "digits") -> dict:
@@ -112,6 +130,20 @@ def test_private_run_end_to_end(estate):
     correct = sum(p == y for p, y in zip(answer["predictions"], labels, strict=True))
     assert correct / len(labels) >= 0.9
     assert "finished" in proc.stdout and record["endpoint"] in proc.stdout
+    # The demo metered the run and allocated its day, as gpu_metering, gpu_cost_nightly and gpu_budgets do.
+    day = _recorded_day(record)
+    [(samples,)] = _ledger_rows(estate, "SELECT count(*) FROM gpu_sample WHERE run_key = :k", k=record["run_key"])
+    assert samples > 0, "no GPU sample of the run's gang was metered"
+    [(hours, effective, cost, attempts)] = _ledger_rows(
+        estate, "SELECT sum(gpu_hours), sum(effective_gpu_hours), sum(cost_usd), sum(attempts) FROM allocation "
+        "WHERE day = :d AND project = :p AND cluster = :c", d=day, p=record["project"], c=record["cluster"])
+    assert hours == pytest.approx(record["gpu_hours"], abs=1e-6) and attempts == 1
+    assert 0 < effective <= hours and cost == pytest.approx(hours * record["price_per_gpu_hour"], rel=1e-9)
+    assert (estate["home"] / "private" / "reports" / "allocation" / day / "report.html").is_file()
+    [(spend,)] = _ledger_rows(estate, "SELECT spend_usd FROM budget_state WHERE project = :p AND period = :m",
+                              p=record["project"], m=day[:7])
+    assert spend >= cost > 0
+    assert f"allocated {day}: " in proc.stdout and "budget " + day[:7] in proc.stdout
 
 
 def test_public_run_stages_data_and_replaces_the_served_version(estate):
@@ -133,6 +165,16 @@ def test_public_run_stages_data_and_replaces_the_served_version(estate):
     answer = _predict(estate["port"], rows)
     assert answer["version"] == record["model_version"] != before
     assert sum(p == y for p, y in zip(answer["predictions"], labels, strict=True)) / len(labels) >= 0.9
+    # A second demo the same day allocates the day again: every attempt of the day counted once.
+    day = _recorded_day(record)
+    [(allocated,)] = _ledger_rows(estate, "SELECT sum(attempts) FROM allocation WHERE day = :d", d=day)
+    start = datetime.fromisoformat(day)
+    [(held,)] = _ledger_rows(estate, "SELECT count(*) FROM attempt WHERE started_at < :end AND ended_at > :start",
+                             start=start, end=start + timedelta(days=1))
+    assert allocated == held >= 1
+    [(clouds,)] = _ledger_rows(estate, "SELECT sum(gpu_hours) FROM allocation WHERE day = :d AND cluster = :c",
+                               d=day, c="cloud-east")
+    assert clouds == pytest.approx(record["gpu_hours"], abs=1e-6)
 
 
 def test_bad_trigger_input_is_refused_at_admit_and_nothing_runs(estate):
