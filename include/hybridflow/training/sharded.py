@@ -229,19 +229,7 @@ class ShardedCheckpointer(BackgroundWriter):
                 raise RuntimeError(
                     f"checkpoint step {step}: DCP wrote no files for rank {self.rank} in {local}"
                 )
-            record = json.dumps(
-                {
-                    "format": RECORD_FORMAT,
-                    "step": step,
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "attempt": attempt,
-                    "files": [
-                        {"name": f.shard.name, "size": f.shard.size, "sha256": f.shard.sha256} for f in files
-                    ],
-                },
-                sort_keys=True,
-            ).encode()
+            record = self._record(step, attempt, files)
             timings: dict[str, float] = {}
             for index, place in enumerate(self._places):
                 t0 = time.perf_counter()
@@ -299,6 +287,20 @@ class ShardedCheckpointer(BackgroundWriter):
                 local.parent.rmdir()  # the step folder, once no rank on this machine still uses it
             except OSError:
                 pass
+
+    def _record(self, step: int, attempt: str, files: list[_LocalFile]) -> bytes:
+        """This rank's record of its files in the step: what rank 0 checks before it commits."""
+        return json.dumps(
+            {
+                "format": RECORD_FORMAT,
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "attempt": attempt,
+                "files": [{"name": f.shard.name, "size": f.shard.size, "sha256": f.shard.sha256} for f in files],
+            },
+            sort_keys=True,
+        ).encode()
 
     def _commit(
         self, place: CheckpointStore, step: int, attempt: str, meta: dict, saved_at: float

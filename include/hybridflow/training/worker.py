@@ -115,10 +115,7 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
 
     # Ranks share the machine's cores; more intra-op threads per rank only oversubscribe them.
     torch.set_num_threads(max(1, int(os.environ.get("HYBRIDFLOW_WORKER_THREADS", "1"))))
-    store = open_store(StoreSpec.from_dict(spec.checkpoint_store))
-    places = [CheckpointStore(store)]
-    if spec.checkpoint_replica:
-        places.append(CheckpointStore(open_store(StoreSpec.from_dict(spec.checkpoint_replica))))
+    store, places = _open_places(spec)
     dataset = open_dataset(spec.data, spec.dataset)
 
     # Collectives must outlast rank 0's last checkpoint, which the other ranks wait for.
@@ -168,37 +165,8 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
             except Exception:
                 log.exception("could not report the failed attempt")
             raise
-        last_step = max(s for s in (ctx.last_step, handle.saved_step, handle.restored_step) if s is not None)
-        if stopped:
-            report(outcome="preempted", last_step=last_step, last_committed_step=handle.committed_step,
-                   sigterm_to_commit_s=in_grace, checkpoints={k: v for k, v in handle.summary().items()
-                                                               if k != "history"})
-            log.warning("preempted after step %d; last checkpoint step %s committed %ss after SIGTERM (grace %gs), "
-                        "exiting %d", last_step, handle.saved_step, in_grace, spec.preemption_grace_s,
-                        PREEMPTED_EXIT_CODE)
-        elif rank == 0:
-            metrics = ctx.metrics_summary()
-            result = {
-                "run_key": spec.run_key,
-                "model": spec.model["name"],
-                "hyperparameters": ctx.hparams,
-                "final_step": last_step,
-                "start_step": handle.restored_step,
-                "checkpoints_written": handle.summary().get("written", 0),
-                "checkpoints": handle.summary(),  # one entry per checkpoint: sizes, blocking and write times
-                "checkpoint_kind": handle.mode,
-                "final_loss": (metrics.get("loss") or {}).get("last"),
-                "metrics": metrics,
-                "train_seconds": round(time.monotonic() - started, 3),
-                # Steps between the first and last ctx.log and the seconds between them.
-                "loop_steps": ctx.loop[2] - ctx.loop[0] if ctx.loop else 0,
-                "loop_seconds": round(ctx.loop[3] - ctx.loop[1], 3) if ctx.loop else 0.0,
-                "world_size": world_size,
-            }
-            store.put_bytes(RESULT_KEY, json.dumps(result, indent=2, sort_keys=True).encode())
-            report(outcome="succeeded", last_step=last_step, last_committed_step=handle.committed_step)
-            log.info("training done: %s", json.dumps({k: v for k, v in result.items() if k != "metrics"},
-                                                      sort_keys=True))
+        _report_end(spec, ctx, handle, store, report, rank=rank, world_size=world_size, stopped=stopped,
+                    in_grace=in_grace, started=started)
         # Nobody leaves before rank 0 has committed, so the launcher never sees a peer's exit and
         # SIGTERMs rank 0 in the middle of its last upload.
         dist.barrier()
@@ -208,6 +176,57 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _open_places(spec: JobSpec) -> tuple:
+    """The primary checkpoint store and every checkpoint place (primary first, then the replica)."""
+    store = open_store(StoreSpec.from_dict(spec.checkpoint_store))
+    places = [CheckpointStore(store)]
+    if spec.checkpoint_replica:
+        places.append(CheckpointStore(open_store(StoreSpec.from_dict(spec.checkpoint_replica))))
+    return store, places
+
+
+def _report_end(spec: JobSpec, ctx, handle, store, report, *, rank: int, world_size: int, stopped: bool, in_grace,
+                started: float) -> None:
+    """How the attempt ended: preempted with its last checkpoint committed, or (rank 0) done, with
+    result.json written."""
+    last_step = max(s for s in (ctx.last_step, handle.saved_step, handle.restored_step) if s is not None)
+    if stopped:
+        report(outcome="preempted", last_step=last_step, last_committed_step=handle.committed_step,
+               sigterm_to_commit_s=in_grace, checkpoints={k: v for k, v in handle.summary().items()
+                                                           if k != "history"})
+        log.warning("preempted after step %d; last checkpoint step %s committed %ss after SIGTERM (grace %gs), "
+                    "exiting %d", last_step, handle.saved_step, in_grace, spec.preemption_grace_s,
+                    PREEMPTED_EXIT_CODE)
+    elif rank == 0:
+        result = _result(spec, ctx, handle, last_step, time.monotonic() - started, world_size)
+        store.put_bytes(RESULT_KEY, json.dumps(result, indent=2, sort_keys=True).encode())
+        report(outcome="succeeded", last_step=last_step, last_committed_step=handle.committed_step)
+        log.info("training done: %s", json.dumps({k: v for k, v in result.items() if k != "metrics"},
+                                                  sort_keys=True))
+
+
+def _result(spec: JobSpec, ctx, handle, last_step: int, train_seconds: float, world_size: int) -> dict:
+    """Rank 0's result.json of a finished run: steps, checkpoints, metrics and timings."""
+    metrics = ctx.metrics_summary()
+    return {
+        "run_key": spec.run_key,
+        "model": spec.model["name"],
+        "hyperparameters": ctx.hparams,
+        "final_step": last_step,
+        "start_step": handle.restored_step,
+        "checkpoints_written": handle.summary().get("written", 0),
+        "checkpoints": handle.summary(),  # one entry per checkpoint: sizes, blocking and write times
+        "checkpoint_kind": handle.mode,
+        "final_loss": (metrics.get("loss") or {}).get("last"),
+        "metrics": metrics,
+        "train_seconds": round(train_seconds, 3),
+        # Steps between the first and last ctx.log and the seconds between them.
+        "loop_steps": ctx.loop[2] - ctx.loop[0] if ctx.loop else 0,
+        "loop_seconds": round(ctx.loop[3] - ctx.loop[1], 3) if ctx.loop else 0.0,
+        "world_size": world_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
