@@ -34,7 +34,6 @@ The functions take the estate and usage numbers only, so the trace replay
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,57 +42,8 @@ from hybridflow.admission import AdmittedRun
 from hybridflow.backends.base import ClusterLoad
 from hybridflow.config import Cluster, Estate, NodePool
 from hybridflow.errors import PlacementError
+from hybridflow.placement.decision import PlacementDecision
 from hybridflow.waits import WaitEstimate, format_duration
-
-
-@dataclass(frozen=True)
-class PlacementDecision:
-    cluster: str
-    location: str
-    node_pool: str
-    pricing_class: str
-    price_per_gpu_hour: float
-    gpu_model: str
-    gpus: int
-    spot: bool
-    reasons: list[str] = field(default_factory=list)
-    # One dict per cluster: cluster, location, eligible, rank, node_pool, pricing_class,
-    # price_per_gpu_hour, load, queued, score ([preference tier, load share, price]; lower wins; None if
-    # ineligible), rules ({rule: "pass" or why it failed}) and reasons (why it was rejected, lost or won).
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    # Clusters tried before this one for the same run: [{"cluster", "reason"}] (failover history).
-    failovers: list[dict[str, str]] = field(default_factory=list)
-
-    def to_xcom(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_xcom(cls, data: Mapping[str, Any]) -> PlacementDecision:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def explain(self) -> str:
-        billing = f"{self.pricing_class} at {self.price_per_gpu_hour:.2f} USD/GPU-hour"
-        lines = [
-            f"placement: {self.cluster}/{self.node_pool} ({self.location}, {billing}) "
-            f"for {self.gpus} x {self.gpu_model}",
-            "why:",
-            *(f"  - {r}" for r in self.reasons),
-        ]
-        if self.failovers:
-            lines.append("failed over from:")
-            lines.extend(f"  - {f['cluster']}: {f['reason']}" for f in self.failovers)
-        lines.append("candidates:")
-        for c in self.candidates:
-            if not c["eligible"]:
-                status = "ineligible"
-            elif c["rank"] == 1:
-                status = f"chosen   score={c['score']}"
-            else:
-                status = f"rank {c['rank']}   score={c['score']}"
-            lines.append(f"  * {c['cluster']} ({c['location']}): {status}")
-            lines.extend(f"      - {r}" for r in c["reasons"])
-        return "\n".join(lines)
 
 
 @dataclass
@@ -319,18 +269,7 @@ def choose_cluster(
     if deadline is not None:
         eligible = deadline[0]
     if not eligible:
-        err = PlacementError(
-            f"no cluster can take {run.workers} x {run.gpu_type} for project {run.project!r} "
-            f"(dataset {run.dataset} {run.classification}"
-            + (f" in {', '.join(run.regions)}" if run.regions else "")
-            + f", cluster_preference={run.cluster_preference}, "
-            f"spot {'allowed' if run.spot_eligible else 'not allowed'}"
-            + (f", max_price_per_gpu_hour={run.max_price_per_gpu_hour:g}" if run.max_price_per_gpu_hour else "")
-            + "):\n"
-            + "\n".join(f"  - {c.cluster.name} ({c.cluster.location}): {'; '.join(c.reasons)}" for c in candidates)
-        )
-        err.candidates = [c.as_dict() for c in candidates]  # type: ignore[attr-defined]
-        raise err
+        raise _no_cluster_error(run, candidates)
 
     winner = eligible[0]
     for rank, cand in enumerate(eligible, start=1):
@@ -340,23 +279,7 @@ def choose_cluster(
     assert winner.pool is not None
     pool = winner.pool
     why = deadline[1] if deadline is not None else _policy_reason(run, winner, share, threshold, spilling)
-    if run.regions:
-        why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
-                   f"{' / '.join(winner.cluster.areas)}")
-    why.append(f"node pool {pool.name} has {pool.gpus} {pool.gpu_model} GPUs for a gang of {run.workers}")
-    if pool.spot:
-        why.append("spot pool: the run is interruptible and allows spot")
-    elif winner.cluster.location == "public":
-        why.append("on-demand pool" + ("" if run.spot_eligible else ": the run is not spot-eligible"))
-    if run.max_price_per_gpu_hour:
-        why.append(f"within the price ceiling of {run.max_price_per_gpu_hour:g} USD/GPU-hour")
-    why.append(
-        f"load {winner.used}/{winner.cluster.total_gpus} GPUs in use ({winner.load:.0%} with {winner.queued} queued); "
-        f"price {winner.cluster.pricing_class(pool)} {winner.price:.2f} USD/GPU-hour"
-    )
-    why.extend(
-        f"chosen over {c.cluster.name}: {_why_lost(c, winner, share, threshold, strategy)}" for c in eligible[1:]
-    )
+    why += _winner_reasons(run, winner, eligible, share, threshold, strategy)
     if run.start_by_s and deadline is None:
         why.append(f"start_by {format_duration(run.start_by_s)}: no wait estimate (none was given), placed by the "
                    "rules above")
@@ -375,6 +298,48 @@ def choose_cluster(
         candidates=[c.as_dict() for c in candidates],
         failovers=[{"cluster": k, "reason": v} for k, v in excluded.items()],
     )
+
+
+def _no_cluster_error(run: AdmittedRun, candidates: list[_Candidate]) -> PlacementError:
+    """Why no cluster can take the run, every cluster's failed rules named (also as ``candidates``)."""
+    err = PlacementError(
+        f"no cluster can take {run.workers} x {run.gpu_type} for project {run.project!r} "
+        f"(dataset {run.dataset} {run.classification}"
+        + (f" in {', '.join(run.regions)}" if run.regions else "")
+        + f", cluster_preference={run.cluster_preference}, "
+        f"spot {'allowed' if run.spot_eligible else 'not allowed'}"
+        + (f", max_price_per_gpu_hour={run.max_price_per_gpu_hour:g}" if run.max_price_per_gpu_hour else "")
+        + "):\n"
+        + "\n".join(f"  - {c.cluster.name} ({c.cluster.location}): {'; '.join(c.reasons)}" for c in candidates)
+    )
+    err.candidates = [c.as_dict() for c in candidates]  # type: ignore[attr-defined]
+    return err
+
+
+def _winner_reasons(run: AdmittedRun, winner: _Candidate, eligible: list[_Candidate], share: float,
+                    threshold: float, strategy: str) -> list[str]:
+    """Why the winner's region, pool, pricing and load suit the run, and why it beat each other eligible one."""
+    assert winner.pool is not None
+    pool = winner.pool
+    why: list[str] = []
+    if run.regions:
+        why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
+                   f"{' / '.join(winner.cluster.areas)}")
+    why.append(f"node pool {pool.name} has {pool.gpus} {pool.gpu_model} GPUs for a gang of {run.workers}")
+    if pool.spot:
+        why.append("spot pool: the run is interruptible and allows spot")
+    elif winner.cluster.location == "public":
+        why.append("on-demand pool" + ("" if run.spot_eligible else ": the run is not spot-eligible"))
+    if run.max_price_per_gpu_hour:
+        why.append(f"within the price ceiling of {run.max_price_per_gpu_hour:g} USD/GPU-hour")
+    why.append(
+        f"load {winner.used}/{winner.cluster.total_gpus} GPUs in use ({winner.load:.0%} with {winner.queued} queued); "
+        f"price {winner.cluster.pricing_class(pool)} {winner.price:.2f} USD/GPU-hour"
+    )
+    why.extend(
+        f"chosen over {c.cluster.name}: {_why_lost(c, winner, share, threshold, strategy)}" for c in eligible[1:]
+    )
+    return why
 
 
 def _assess(ctx: _Context, c: Cluster, used: int, queued: int, spilling: bool) -> _Candidate:

@@ -1,0 +1,48 @@
+"""A cluster's storage places: its cache bucket, its scratch filesystem, and a run's checkpoint places
+(clusters.yaml ``checkpoint_store`` and ``checkpoint_replica``: private storage, cache or scratch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.settings import Settings
+
+
+def cache_store_spec(cluster, prefix: str = ""):
+    """The cluster's cache bucket (under ``prefix``), through its cache connection."""
+    from hybridflow.hooks.object_store import ObjectStoreHook
+
+    return ObjectStoreHook(cluster.cache.conn_id).store_spec(cluster.cache.bucket, prefix)
+
+
+def checkpoint_store_spec(run_key: str, cluster, settings: Settings):
+    """The run's primary checkpoint place (clusters.yaml ``checkpoint_store``): the worker commits
+    there first; model/final.pt and result.json go there too."""
+    return checkpoint_place_spec(cluster.checkpoint_places[0], run_key, cluster, settings)
+
+
+def checkpoint_replica_spec(run_key: str, cluster, settings: Settings):
+    """The second place the run's latest checkpoints are kept (``checkpoint_replica``)."""
+    return checkpoint_place_spec(cluster.checkpoint_places[1], run_key, cluster, settings)
+
+
+def checkpoint_place_spec(place: str, run_key: str, cluster, settings: Settings):
+    """The run's checkpoint folder in ``place``: private storage, the cluster's cache bucket or its
+    scratch filesystem."""
+    from hybridflow.storage.objectstore import StoreSpec
+
+    if place == "cache":
+        return cache_store_spec(cluster, f"checkpoints/{run_key}")
+    if place == "scratch":
+        return StoreSpec(kind="local", root=str(scratch_root(cluster, settings) / "checkpoints" / run_key))
+    if place == "private":
+        return StoreSpec(kind="local", root=str(settings.private_root / "checkpoints" / run_key))
+    raise ValueError(f"unknown checkpoint place {place!r}; use 'private', 'cache' or 'scratch'")
+
+
+def scratch_root(cluster, settings: Settings) -> Path:
+    """The cluster's scratch filesystem (``scratch_dir``, relative to HYBRIDFLOW_HOME unless absolute)."""
+    if cluster.scratch_dir is None:
+        return settings.home / "scratch" / cluster.name
+    path = Path(cluster.scratch_dir)
+    return path if path.is_absolute() else settings.home / path
