@@ -91,6 +91,39 @@ def test_run_cost_tab_shows_the_runs_cost_and_its_projects_budget(tmp_path, stor
     assert "Budget of digits-ocr for 2026-12" in html and "<td>frozen</td>" in html
     missing = client.get("/costs/runs/hybrid_training/<b>nope</b>").text
     assert "No run record yet" in missing and "<b>nope" not in missing
+    assert "Not allocated yet" in html
+
+
+def test_run_cost_tab_shows_what_the_nightly_allocation_charged_each_attempt(tmp_path, store):
+    from hybridflow.ledger.allocation import REPORTS, AttemptCost, write_files
+    from hybridflow.storage.objectstore import LocalObjectStore
+
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    attempt = {"try_number": 1, "attempt": "t1-a1", "cluster": "onprem-a", "workers": 2,
+               "started_at": "2026-12-18T23:30:00+00:00", "seconds": 3600.0, "outcome": "succeeded"}
+    write_record(tmp_path / "private", {
+        "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
+        "team": "perception", "cluster": "onprem-a", "pricing_class": "onprem", "gpu_hours": 2.0,
+        "price_per_gpu_hour": 1.25, "train_attempts": [attempt], "recorded_at": "2026-12-19T00:40:00+00:00",
+    })
+
+    def cost(day: str, run_key: str, hours: float, util: float | None) -> dict:
+        return dict(vars(AttemptCost(
+            day=day, run_key=run_key, dag_id="hybrid_training", run_id=RUN_ID, try_number=1, attempt="t1-a1",
+            outcome="succeeded", project="digits-ocr", team="perception", cluster="onprem-a", gpu_model="A100-80GB",
+            pricing_class="onprem", gpus=2, gpu_hours=hours, usd_per_gpu_hour=1.25, cost_usd=hours * 1.25,
+            mean_util_pct=util, effective_gpu_hours=None if util is None else hours * util / 100, waste=False,
+            preempted_gpu_hours=0.0)))
+
+    store_ = LocalObjectStore(tmp_path / "private")
+    # The run held its GPUs over midnight: half an hour on each day; another run shares the second day.
+    write_files(store_, f"{REPORTS.as_posix()}/2026-12-18", [], [], [cost("2026-12-18", identity.run_key, 1.0, None)])
+    write_files(store_, f"{REPORTS.as_posix()}/2026-12-19", [], [],
+                [cost("2026-12-19", identity.run_key, 1.0, 42.0), cost("2026-12-19", "another-run", 8.0, 90.0)])
+    html = _client(tmp_path, store).get(f"/costs/runs/hybrid_training/{RUN_ID}").text
+    assert "<td>2026-12-18</td><td>t1-a1</td><td>onprem-a / onprem</td>" in html
+    assert "<td>2026-12-19</td>" in html and "<td>42</td><td>0.42</td>" in html
+    assert "allocated in all</th><th>2.5000</th>" in html and "10.0000" not in html and "Not allocated yet" not in html
 
 
 def test_a_nightly_runs_cost_tab_shows_the_budgets_and_the_report(tmp_path, store):

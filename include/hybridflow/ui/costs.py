@@ -21,6 +21,7 @@ from hybridflow.ui.runs import _cell, _kv_table, _page, _read_json
 # Where the nightly allocation writes its HTML report, one folder per day: <day>/report.html.
 ALLOCATION_REPORTS = Path("reports") / "allocation"
 REPORT_FILE = "report.html"
+ATTEMPTS_FILE = "attempts.parquet"  # each attempt of the day as allocated, with its run_key
 BUDGETS_DAG = "gpu_budgets"
 TRAINING_DAG = "hybrid_training"
 URL_PREFIX = "/hybridflow"  # where the plugin mounts the app (plugins/hybridflow_ui.py)
@@ -115,6 +116,32 @@ def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Pat
     return _page("GPU costs & budgets", f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
 
 
+def _record_days(record: dict) -> list[str]:
+    """The UTC days from the run's first training attempt to its record (the days its GPUs were held)."""
+    recorded = record.get("recorded_at")
+    if not recorded:
+        return []
+    last = datetime.fromisoformat(recorded).astimezone(UTC).date()
+    starts = [datetime.fromisoformat(a["started_at"]).astimezone(UTC).date()
+              for a in record.get("train_attempts") or [] if a.get("started_at")]
+    first = min([*starts, last])
+    return [date.fromordinal(d).isoformat() for d in range(first.toordinal(), last.toordinal() + 1)]
+
+
+def allocated_attempts(private_root: Path, record: dict) -> list[dict[str, Any]]:
+    """The run's attempts as the nightly allocation priced them, from the attempts file of each day
+    the run held GPUs; empty while none of those days is allocated."""
+    import pyarrow.parquet as pq
+
+    out: list[dict[str, Any]] = []
+    for day in _record_days(record):
+        path = private_root / ALLOCATION_REPORTS / day / ATTEMPTS_FILE
+        if not path.is_file() or "run_key" not in pq.read_schema(path).names:  # a day without attempts
+            continue
+        out += pq.read_table(path, filters=[("run_key", "==", record["run_key"])]).to_pylist()
+    return out
+
+
 def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_id: str) -> dict[str, Any]:
     """A training run's cost from its record, and its project's budget in the month it was recorded."""
     run_key = RunIdentity(dag_id, run_id).run_key
@@ -128,7 +155,28 @@ def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_
     return {
         "dag_id": dag_id, "run_id": run_id, "record": record, "period": period, "budget": budget,
         "cost_usd": round(price * hours, 4) if price is not None and hours is not None else None,
+        "allocated": allocated_attempts(private_root, record),
     }
+
+
+def render_allocated(attempts: list[dict[str, Any]]) -> str:
+    if not attempts:
+        return ("<p class='muted'>Not allocated yet: gpu_cost_nightly allocates each day once it is over "
+                "(hybridflow demo allocates its days at once).</p>")
+    rows = "".join(
+        f"<tr><td>{_cell(a['day'])}</td><td>{_cell(a.get('attempt') or a.get('try_number'))}</td>"
+        f"<td>{_cell(a['cluster'])} / {_cell(a['pricing_class'])}</td><td>{_cell(a['outcome'])}</td>"
+        f"<td>{_cell(a['gpu_hours'])}</td><td>{_cell(a.get('mean_util_pct'))}</td>"
+        f"<td>{_cell(a.get('effective_gpu_hours'))}</td><td>{_cell(a['usd_per_gpu_hour'])}</td>"
+        f"<td>{a['cost_usd']:,.4f}</td><td>{'waste' if a.get('waste') else ''}</td></tr>"
+        for a in attempts
+    )
+    total = sum(a["cost_usd"] for a in attempts)
+    return (
+        "<table><tr><th>day</th><th>attempt</th><th>cluster / pricing</th><th>outcome</th><th>GPU-hours</th>"
+        "<th>mean utilisation (%)</th><th>effective GPU-hours</th><th>USD/GPU-h</th><th>cost (USD)</th><th></th></tr>"
+        f"{rows}<tr><th colspan='8'>allocated in all</th><th>{total:,.4f}</th><th></th></tr></table>"
+    )
 
 
 def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
@@ -150,6 +198,7 @@ def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
         ("cost (USD, before the nightly allocation)", view["cost_usd"]),
         ("budget override", rec.get("budget_override")),
     ]))
+    parts.append("<h2>Allocated by the nightly cost allocation</h2>" + render_allocated(view.get("allocated") or []))
     parts.append(f"<h2>Budget of {escape(str(rec.get('project')))} for {escape(view['period'])}</h2>")
     if view["budget"]:
         parts.append(render_budgets([view["budget"]], view["period"]))
