@@ -132,6 +132,8 @@ def _allocate_costs(record: dict, metered, started: float) -> int:
           f"{metered.attributed} of them tied to runs")
     for error in metered.errors[:5]:
         print(f"metering problem:  {error}", file=sys.stderr)
+    if len(metered.errors) > 5:
+        print(f"metering problem:  {len(metered.errors) - 5} more like these", file=sys.stderr)
     days = days_between(datetime.fromtimestamp(started, UTC), datetime.now(UTC))
     try:
         costs = allocate_demo_days(days)

@@ -144,6 +144,11 @@ def test_private_run_end_to_end(estate):
                               p=record["project"], m=day[:7])
     assert spend >= cost > 0
     assert f"allocated {day}: " in proc.stdout and "budget " + day[:7] in proc.stdout
+    # The run's Cost & budget tab reads the same: its attempt as allocated, with the metered utilisation.
+    from hybridflow.ui.costs import allocated_attempts
+
+    [allocated] = allocated_attempts(estate["home"] / "private", record)
+    assert allocated["gpu_hours"] == pytest.approx(hours) and allocated["mean_util_pct"] > 0
 
 
 def test_public_run_stages_data_and_replaces_the_served_version(estate):
