@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridflow.bundle import (
+    ModelCard,
     Predictor,
     convert,
     inputs_and_target,
@@ -102,38 +103,9 @@ def compress_bundle(
     x, _ = inputs_and_target(frame, card)
     batch = _fixed_batch(x)
 
-    rows: dict[str, dict[str, Any]] = {}
-    weights: dict[str, bytes] = {}
-    for variant in VARIANTS:
-        module = convert(fp32, variant)
-        weights[variant] = serialise_state(module)
-        predictor = Predictor(module, card.with_variant(variant))
-        with quiet_torch():
-            scored = score_predictor(predictor, frame)
-        rows[variant] = {
-            "variant": variant,
-            "size_bytes": len(weights[variant]),
-            "latency_ms_per_batch": _latency_ms(predictor.predict, batch),
-            "metric": scored["metric"]["value"],
-        }
+    rows, weights = _measure(fp32, card, frame, batch)
     baseline = rows["fp32"]["metric"]
-    for variant, row in rows.items():
-        # Rounded so float noise in the subtraction cannot flip a decision at the boundary.
-        row["metric_drop"] = spec.drop(baseline, row["metric"])
-        if variant == "fp32":
-            row.update(status="baseline", bundle=str(bundle))
-            continue
-        target = out_dir / variant
-        if row["metric_drop"] <= spec.max_drop:
-            row["status"] = "accepted"
-            write_bundle(target, weights[variant], card.with_variant(variant))
-            row["bundle"] = str(target)
-        else:
-            row["status"] = "refused"
-            # A stale bundle from an earlier run must not be deployable.
-            (target / "model.json").unlink(missing_ok=True)
-            row["bundle"] = None
-            row["reason"] = f"{spec.name} worse by {row['metric_drop']:.4f}, more than max_drop {spec.max_drop}"
+    _judge(rows, weights, baseline, spec, card, bundle, out_dir)
 
     candidates = COMPRESSED if mode == "best" else (mode,)
     accepted = [rows[v] for v in candidates if rows[v]["status"] == "accepted"]
@@ -164,3 +136,53 @@ def compress_bundle(
         refused.report = report  # the figures, for callers that record them
         raise refused
     return report
+
+
+def _measure(
+    fp32: Any, card: ModelCard, frame: pd.DataFrame, batch: np.ndarray
+) -> tuple[dict[str, dict[str, Any]], dict[str, bytes]]:
+    """Every variant's size, latency and metric, and its serialised weights."""
+    rows: dict[str, dict[str, Any]] = {}
+    weights: dict[str, bytes] = {}
+    for variant in VARIANTS:
+        module = convert(fp32, variant)
+        weights[variant] = serialise_state(module)
+        predictor = Predictor(module, card.with_variant(variant))
+        with quiet_torch():
+            scored = score_predictor(predictor, frame)
+        rows[variant] = {
+            "variant": variant,
+            "size_bytes": len(weights[variant]),
+            "latency_ms_per_batch": _latency_ms(predictor.predict, batch),
+            "metric": scored["metric"]["value"],
+        }
+    return rows, weights
+
+
+def _judge(
+    rows: dict[str, dict[str, Any]],
+    weights: dict[str, bytes],
+    baseline: float,
+    spec: MetricSpec,
+    card: ModelCard,
+    bundle: Path,
+    out_dir: Path,
+) -> None:
+    """Accept (write its bundle) or refuse (remove a stale one) each compressed variant, in ``rows``."""
+    for variant, row in rows.items():
+        # Rounded so float noise in the subtraction cannot flip a decision at the boundary.
+        row["metric_drop"] = spec.drop(baseline, row["metric"])
+        if variant == "fp32":
+            row.update(status="baseline", bundle=str(bundle))
+            continue
+        target = out_dir / variant
+        if row["metric_drop"] <= spec.max_drop:
+            row["status"] = "accepted"
+            write_bundle(target, weights[variant], card.with_variant(variant))
+            row["bundle"] = str(target)
+        else:
+            row["status"] = "refused"
+            # A stale bundle from an earlier run must not be deployable.
+            (target / "model.json").unlink(missing_ok=True)
+            row["bundle"] = None
+            row["reason"] = f"{spec.name} worse by {row['metric_drop']:.4f}, more than max_drop {spec.max_drop}"
