@@ -13,7 +13,7 @@ from hybridflow.staging.settings import StagingSettings
 from hybridflow.storage.hashindex import FileDigest, HashIndex
 from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
 from hybridflow.storage.shards import Member, ShardPlan, build_shard, plan_shards
-from hybridflow.storage.sources import DatasetSource, SourceFile
+from hybridflow.storage.sources import DatasetSource, LocalFiles, SourceFile
 from hybridflow.storage.transfer import Uploaded, UploadItem
 
 if TYPE_CHECKING:
@@ -51,13 +51,11 @@ def _deferred_item(name: str, f: SourceFile, source: DatasetSource, index: HashI
 
 
 def _readinto(source: DatasetSource, rel: str):
-    fill = getattr(source, "readinto", None)
-    return (lambda off, buf: fill(rel, off, buf)) if fill else None
+    return (lambda off, buf: source.readinto(rel, off, buf)) if isinstance(source, LocalFiles) else None
 
 
 def _local_path(source: DatasetSource, rel: str) -> str | None:
-    where = getattr(source, "local_path", None)
-    return where(rel) if where else None
+    return source.local_path(rel) if isinstance(source, LocalFiles) else None
 
 
 def _packed(files: list[SourceFile], settings: StagingSettings) -> set[str]:
@@ -79,7 +77,7 @@ def _shard_item(name: str, number: int, plan: ShardPlan, source: DatasetSource, 
         metadata={"members": str(len(plan.members))}, shard=plan,
     )
 
-    readinto = getattr(source, "readinto", None)
+    readinto = source.readinto if isinstance(source, LocalFiles) else None
 
     def build(buf: bytearray) -> tuple[str, memoryview, str | None, str]:
         started = time.time_ns()

@@ -11,7 +11,7 @@ from hybridflow.staging.blobs import _Blob, _BlobPlan, _packed_sha
 from hybridflow.staging.layout import blob_key, manifest_key_for, read_manifest
 from hybridflow.storage.hashindex import HashIndex, ShardDigest
 from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
-from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
+from hybridflow.storage.objectstore import ObjectInfo, ObjectStat, ObjectStore
 from hybridflow.storage.shards import Member, ShardPlan, shard_offsets
 from hybridflow.storage.sources import DatasetSource, SourceFile
 from hybridflow.storage.transfer import Uploaded
@@ -58,7 +58,7 @@ def _commit_manifest(target: ObjectStore, manifest: DatasetManifest, manifest_ke
     """The commit point: the manifest is created (create-only) after every blob is in place and
     verified. True when this call created it; ``stored_etags`` gets the manifest's ETag, so an
     unchanged re-stage recognises the committed manifest from one HEAD, without reading it."""
-    stat = getattr(target, "stat", None)
+    stat = target.stat if isinstance(target, ObjectStat) else None
     info = stat(manifest_key) if stat else None
     if info is not None and info.etag and recorded.get(manifest_key) == info.etag:
         log.info("manifest %s already committed and unchanged (ETag %s); nothing to write", manifest_key, info.etag)

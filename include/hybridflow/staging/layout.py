@@ -10,7 +10,7 @@ from pathlib import Path
 from hybridflow.errors import StagingError
 from hybridflow.staging.settings import StagingSettings
 from hybridflow.storage.manifest import DatasetManifest
-from hybridflow.storage.objectstore import ObjectInfo, ObjectStore
+from hybridflow.storage.objectstore import ObjectInfo, ObjectStore, PagedListing
 
 
 def blob_prefix(dataset: str) -> str:
@@ -48,7 +48,7 @@ def list_blobs(store: ObjectStore, dataset: str, expected: int, settings: Stagin
     """Every blob of ``dataset`` in ``store``, in one listing (many in parallel for big datasets:
     a fan-out prefix each, which also keeps each store directory small)."""
     prefix = blob_prefix(dataset)
-    if expected < settings.fanout_list_min_blobs or not hasattr(store, "client"):
+    if expected < settings.fanout_list_min_blobs or not isinstance(store, PagedListing):
         return {i.key: i for i in store.list(prefix)}
     # About one full page (1000 keys) per request: 16 listings by first hex character for mid-sized
     # datasets, 256 (one per fan-out folder) for big ones.
