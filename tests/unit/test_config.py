@@ -240,6 +240,8 @@ BROKEN += [
         "models_dir": "/models"}), ["serving.kubernetes.cluster", "'onprem-a'", "backend kubernetes"]),
     ("pipeline.yaml", _set(["serving", "kubernetes"], {"cluster": "onprem-a", "image": "serve:1"}),
      ["serving.kubernetes.node_pool: required key is missing", "serving.kubernetes.models_dir"]),
+    ("pipeline.yaml", _set(["serving", "target"], "kserv"), ["serving.target", "'kserv'", "kubernetes, local"]),
+    ("pipeline.yaml", _set(["serving", "target"], "kubernetes"), ["serving.target", "needs serving.kubernetes"]),
 ]
 
 

@@ -37,6 +37,8 @@ def test_the_serving_settings_name_the_target():
     pool = KubernetesServing(cluster="dc2-k8s", node_pool="l4", image="registry.local/serve:1",
                              models_claim="private-models", models_dir="/mnt/models")
     assert target_name(ServingSettings(kubernetes=pool)) == "kubernetes"
+    # serving.target names it outright (a pool may be described and still not be used)
+    assert target_name(ServingSettings(kubernetes=pool, target="local")) == "local"
 
 
 def test_the_estate_without_an_inference_pool_deploys_locally(tmp_path):

@@ -173,7 +173,15 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
 
 
 def _check_serving(path: Path, serving: ServingSettings, cf: ClustersFile) -> list[str]:
+    from hybridflow.serving import DEPLOY_TARGETS  # the table only: nothing heavy is imported
+
     k8s = serving.kubernetes
+    if serving.target is not None and serving.target not in DEPLOY_TARGETS:
+        return [f"{path}: serving.target: {serving.target!r} is not a deploy target; use one of: "
+                + ", ".join(sorted(DEPLOY_TARGETS))]
+    if serving.target == "kubernetes" and k8s is None:
+        return [f"{path}: serving.target: kubernetes needs serving.kubernetes (the private inference pool); "
+                "add that section or remove serving.target"]
     if k8s is None:
         return []
     at = f"{path}: serving.kubernetes"

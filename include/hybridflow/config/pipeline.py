@@ -78,6 +78,9 @@ class ServingSettings(_Model):
     port: int = Field(default=8790, ge=1, le=65535)
     # None: serve on this machine (blue/green behind 127.0.0.1:port); else roll out on Kubernetes.
     kubernetes: KubernetesServing | None = None
+    # The deploy target by name (hybridflow.serving.DEPLOY_TARGETS); None: kubernetes when the
+    # section above is there, else local.
+    target: str | None = None
 
 
 class StagingConfig(_Model):

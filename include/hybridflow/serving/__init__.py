@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from hybridflow.config import Estate, ServingSettings
     from hybridflow.serving.base import DeployTarget
 
-# name -> "module.Class"; the name is what ``serving.target`` in pipeline.yaml would hold.
+# name -> "module.Class"; the name is what ``serving.target`` in pipeline.yaml holds.
 DEPLOY_TARGETS: dict[str, str] = {
     "local": "hybridflow.serving.deploy.LocalTarget",
     "kubernetes": "hybridflow.serving.k8s.KubernetesTarget",
@@ -26,8 +26,11 @@ TARGET_FIELD = "serving.target"
 
 
 def target_name(serving: ServingSettings) -> str:
-    """The configured deploy target: ``kubernetes`` when ``serving.kubernetes`` describes the
-    private inference pool, else ``local`` (the model gateway on 127.0.0.1)."""
+    """The configured deploy target: ``serving.target`` when set; else ``kubernetes`` when
+    ``serving.kubernetes`` describes the private inference pool, and ``local`` (the model gateway on
+    127.0.0.1) otherwise."""
+    if serving.target is not None:
+        return serving.target
     return "local" if serving.kubernetes is None else "kubernetes"
 
 
