@@ -8,7 +8,6 @@ so a cleared task re-attaches to, or overwrites, what its earlier try made.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ def _admitted(run: Mapping[str, Any]):
 
 def admit(params: Mapping[str, Any], identity: RunIdentity, settings: Settings | None = None) -> dict:
     from hybridflow.admission import admit as admit_request
+    from hybridflow.placement.loads import team_usage
 
     settings = settings or get_settings()
     estate = _estate(settings)
@@ -64,39 +64,9 @@ def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> d
                             file_roots=estate.file_roots(settings.home), log=log)
 
 
-def cluster_loads(estate, settings: Settings) -> dict:
-    """Every cluster's GPUs in use, queued and held per team, as its backend reports them."""
-    from hybridflow.backends import estate_load
-
-    return estate_load(estate, settings.state_dir)
-
-
-def team_usage(estate, settings: Settings) -> dict[str, int]:
-    """GPUs each team's gangs hold right now, across the estate."""
-    from hybridflow.backends import team_usage as held
-
-    return held(cluster_loads(estate, settings))
-
-
-def wait_estimates(run, estate, loads: Mapping[str, Any]) -> dict | None:
-    """Each cluster's expected wait for the run's gang, for a run with ``start_by`` (None otherwise)."""
-    if not run.start_by_s:
-        return None
-    from hybridflow.ledger.queue_waits import queue_wait_history
-    from hybridflow.waits import estimate_waits
-
-    cfg = estate.pipeline.placement
-    try:
-        history = queue_wait_history(days=cfg.wait_history_days, clusters=list(loads))
-    except Exception as exc:  # noqa: BLE001 - no ledger: estimates from the clusters' load alone
-        log.warning("queue wait history unavailable (%s); estimating from the clusters' load only", exc)
-        history = []
-    return estimate_waits(history, loads, run.workers, quantile=cfg.wait_quantile, min_samples=cfg.wait_min_samples,
-                          days=cfg.wait_history_days)
-
-
 def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
     from hybridflow.placement import place
+    from hybridflow.placement.loads import cluster_loads, wait_estimates
 
     settings = settings or get_settings()
     started = time.monotonic()
@@ -111,137 +81,12 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
     return out
 
 
-def fail_over(
-    run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str, reason: str, settings: Settings | None = None
-) -> tuple[dict, dict] | None:
-    """Move a gang that waited ``reason`` on ``cluster`` to another eligible cluster that would admit
-    it now: place the run again without ``cluster`` (and every cluster it already left), stage its
-    data there, and record both in placement.json (the run's page shows the move and a retried train
-    task resumes there). Returns (placement, staged), or None when no eligible cluster has room now:
-    the gang keeps its place in ``cluster``'s queue."""
-    from hybridflow.errors import PlacementError
-    from hybridflow.placement import place
-
-    settings = settings or get_settings()
-    estate = _estate(settings)
-    excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
-    excluded[cluster] = reason
-    try:
-        decision = place(_admitted(run), estate, cluster_loads(estate, settings), exclude=excluded,
-                         require_room=True)
-    except PlacementError as exc:
-        log.info("No other eligible cluster would admit the gang now; it keeps its place on %s:\n%s", cluster, exc)
-        return None
-    log.warning("Moving from %s (%s):\n%s", cluster, reason, decision.explain())
-    out = decision.to_xcom()
-    staged = stage_data(run, out, settings)
-    out["staged_source"] = staged["source"]
-    write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "placement.json", out)
-    return out, staged
-
-
-def current_placement(run: Mapping[str, Any], placement: Mapping[str, Any], staged: Mapping[str, Any],
-                      settings: Settings | None = None) -> tuple[dict, dict]:
-    """The placement the train task works on: choose_cluster's, unless a failover since replaced it
-    (placement.json with failovers; a re-run choose_cluster rewrites that file without them)."""
-    settings = settings or get_settings()
-    path = run_dir(settings.private_root, run["run_key"]) / "placement.json"
-    try:
-        recorded = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return dict(placement), dict(staged)
-    if recorded.get("failovers") and recorded.get("staged_source"):
-        return recorded, {"source": recorded["staged_source"]}
-    return dict(placement), dict(staged)
-
-
-def cache_store_spec(cluster, prefix: str = ""):
-    from hybridflow.hooks.object_store import ObjectStoreHook
-
-    return ObjectStoreHook(cluster.cache.conn_id).store_spec(cluster.cache.bucket, prefix)
-
-
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
     """Private local cluster: train where the data lives. Public or Kubernetes cluster: copy it to the
-    cluster's cache (a private Kubernetes cluster's pods read its own on-prem bucket); the staging
-    guard re-reads the catalogue, and the staged copy must be the version validate_data checked."""
-    from hybridflow import rundata
-    from hybridflow.datasets import locate
-    from hybridflow.sovereignty import Destination
-    from hybridflow.staging import StagingSettings, index_path_for, read_manifest, stage_dataset
-    from hybridflow.storage.objectstore import open_store
+    cluster's cache (:func:`hybridflow.placement.stage.stage_data`)."""
+    from hybridflow.placement.stage import stage_data as stage
 
-    settings = settings or get_settings()
-    started = time.monotonic()
-    estate = _estate(settings)
-    admitted, entry, _ = _entries(run, estate)
-    roots = estate.file_roots(settings.home)
-    cluster = estate.clusters[placement["cluster"]]
-    version = rundata.read_version(settings.private_root, run["run_key"])
-    from hybridflow.backends import gang_backend
-
-    if cluster.location == "private" and gang_backend(cluster, estate, settings.state_dir).reads_private_storage:
-        log.info("Cluster %s is private: the data is read where it lives (%s), nothing to stage.",
-                 placement["cluster"], entry.location)
-        source, _ = rundata.source_where_it_lives(entry, settings.private_root, run["run_key"], roots)
-        return {"source": source, "staged": False, "version": version.version, "seconds": 0.0}
-    spec = cache_store_spec(cluster)
-    target = open_store(spec)
-    location = locate(entry, settings.private_root, roots)
-    result = stage_dataset(
-        location.source(entry.name),
-        target,
-        destination=Destination(cluster.location, cluster.areas, cluster.name),
-        catalogue=settings.config_dir / "datasets.yaml",
-        dataset=entry.name,
-        raised=admitted.classification,
-        run_key=run["run_key"],
-        settings=StagingSettings.from_config(estate.pipeline.staging),
-        index_path=index_path_for(settings.state_dir, location.uri if location.path is None else str(location.path)),
-        log=log,
-    )
-    rundata.check_staged(version, read_manifest(target, result.manifest_key), entry.name)
-    rundata.write_staging(settings.private_root, run["run_key"], result.to_xcom())
-    return {
-        "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
-        "staged": True,
-        "version": version.version,
-        "staging": result.to_xcom(),
-        "seconds": round(time.monotonic() - started, 3),
-    }
-
-
-def checkpoint_store_spec(run_key: str, cluster, settings: Settings):
-    """The run's primary checkpoint place (clusters.yaml ``checkpoint_store``): the worker commits
-    there first; model/final.pt and result.json go there too."""
-    return checkpoint_place_spec(cluster.checkpoint_places[0], run_key, cluster, settings)
-
-
-def checkpoint_replica_spec(run_key: str, cluster, settings: Settings):
-    """The second place the run's latest checkpoints are kept (``checkpoint_replica``)."""
-    return checkpoint_place_spec(cluster.checkpoint_places[1], run_key, cluster, settings)
-
-
-def checkpoint_place_spec(place: str, run_key: str, cluster, settings: Settings):
-    """The run's checkpoint folder in ``place``: private storage, the cluster's cache bucket or its
-    scratch filesystem."""
-    from hybridflow.storage.objectstore import StoreSpec
-
-    if place == "cache":
-        return cache_store_spec(cluster, f"checkpoints/{run_key}")
-    if place == "scratch":
-        return StoreSpec(kind="local", root=str(scratch_root(cluster, settings) / "checkpoints" / run_key))
-    if place == "private":
-        return StoreSpec(kind="local", root=str(settings.private_root / "checkpoints" / run_key))
-    raise ValueError(f"unknown checkpoint place {place!r}; use 'private', 'cache' or 'scratch'")
-
-
-def scratch_root(cluster, settings: Settings) -> Path:
-    """The cluster's scratch filesystem (``scratch_dir``, relative to HYBRIDFLOW_HOME unless absolute)."""
-    if cluster.scratch_dir is None:
-        return settings.home / "scratch" / cluster.name
-    path = Path(cluster.scratch_dir)
-    return path if path.is_absolute() else settings.home / path
+    return stage(run, placement, settings or get_settings())
 
 
 def _holdout(run: Mapping[str, Any], estate, settings: Settings):

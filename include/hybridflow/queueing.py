@@ -6,7 +6,7 @@ placement chose, in the triggerer (:class:`QueueWaitTrigger`: no worker slot hel
 - the gang is admitted (``admitted``): on the local backend the trigger takes the slots on the
   task's behalf for ``LEASE_S``, and the resumed task launches the gang on them;
 - another eligible cluster would admit it now (``room_elsewhere``, looked for every
-  ``training.gang_admission_timeout_s``): the task moves there (:func:`hybridflow.pipeline.fail_over`);
+  ``training.gang_admission_timeout_s``): the task moves there (:func:`hybridflow.training.failover.fail_over`);
 - it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting.
 
 Its position, the GPUs ahead of it and an estimated start go to the task log and to
@@ -191,17 +191,54 @@ class QueueWaitTrigger(BaseTrigger):
 
 def room_elsewhere(run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str) -> str | None:
     """Another eligible cluster that would admit the run's gang now, or None (no side effects)."""
+    from hybridflow.admission import AdmittedRun
+    from hybridflow.config import load_estate
     from hybridflow.errors import PlacementError
-    from hybridflow.pipeline import _admitted, _estate, cluster_loads
-    from hybridflow.placement import place
+    from hybridflow.placement.loads import place_elsewhere
     from hybridflow.settings import get_settings
 
     settings = get_settings()
-    estate = _estate(settings)
-    excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
-    excluded[cluster] = "waiting there"
+    estate = load_estate(settings.config_dir)
     try:
-        return place(_admitted(run), estate, cluster_loads(estate, settings), exclude=excluded,
-                     require_room=True).cluster
+        return place_elsewhere(AdmittedRun.from_xcom(dict(run)), placement, cluster, "waiting there", estate,
+                               settings).cluster
     except PlacementError:
         return None
+
+
+def hold_for_team_cap(admitted: Any, cluster: str, gang: str, backend: Any, estate: Any, state_dir: Path,
+                      queued_since: float | None) -> None:
+    """A team's gpu_cap spans the estate, and a Kubernetes scheduler knows only its own cluster:
+    a gang that would take its team past the cap is not submitted yet (GangNotAdmitted with
+    over_team_cap: the task waits for the team's GPUs in the triggerer). A job this run already
+    has there is re-attached, never held."""
+    from hybridflow.backends import estate_load, team_usage
+    from hybridflow.backends.errors import GangNotAdmitted
+    from hybridflow.backends.k8s.backend import MISSING
+
+    req = admitted.request
+    cap = estate.teams[admitted.team].gpu_cap
+    if cap is None or req.priority == "critical" or backend.status(gang).phase != MISSING:
+        return
+    held = team_usage(estate_load(estate, state_dir)).get(admitted.team, 0)
+    if held + req.workers > cap:
+        raise GangNotAdmitted(
+            f"gang {gang} not submitted to {cluster}: team {admitted.team} holds {held} of "
+            f"its gpu_cap of {cap} GPUs and the gang needs {req.workers}; it waits for the team's runs to finish "
+            f"(or raise teams.{admitted.team}.gpu_cap in projects.yaml)",
+            cluster=cluster, over_team_cap=True, queued_since=queued_since or time.time())
+
+
+def record_admission(private_root: Path, run_key: str, attempt: str, cluster: str, admitted: Any, waited_s: float,
+                     log: Any) -> None:
+    """The gang of ``attempt`` was admitted after ``waited_s`` in the queue: for the run's page and
+    the ledger's history of queue waits (which deadline placement estimates from). Best effort."""
+    now = time.time()
+    try:
+        note_standing(private_root, run_key, cluster=cluster, state="admitted", queued_since=now - waited_s)
+        from hybridflow.ledger.queue_waits import record_queue_wait
+
+        record_queue_wait(run_key, attempt, cluster, admitted.workers, admitted.priority,
+                          datetime.fromtimestamp(now - waited_s, UTC), datetime.fromtimestamp(now, UTC), "admitted")
+    except Exception as exc:  # noqa: BLE001 - the history is a help, never a reason to stop training
+        log.warning("could not record the queue wait of %s (%s)", run_key, exc)

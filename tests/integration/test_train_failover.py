@@ -61,9 +61,9 @@ def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -
     assert [(a["cluster"], a["outcome"]) for a in attempts] == [("onprem-b", "not_admitted"), ("onprem-a", "succeeded")]
 
     # A retried train task (same XCom) resumes on the cluster it failed over to.
-    from hybridflow import pipeline
+    from hybridflow.training.failover import current_placement
 
-    current, staged = pipeline.current_placement(run, placement, {"source": {}})
+    current, staged = current_placement(run, placement, {"source": {}})
     assert current["cluster"] == "onprem-a" and staged["source"]["kind"] == "local"
 
 

@@ -161,13 +161,14 @@ def test_gang_not_admitted_on_kubernetes_fails_over_and_leaves_nothing_queued(es
 @pytest.mark.parametrize("estate", [("volcano", False)], indirect=True, ids=["volcano-blocking"])
 def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(estate) -> None:
     from hybridflow import pipeline
+    from hybridflow.placement.places import checkpoint_store_spec
     from hybridflow.settings import get_settings
     from hybridflow.storage.objectstore import open_store
     from hybridflow.training.checkpoint import CheckpointStore
 
     run, placement, _, op, context = _train_task("k8s-evict", hyperparameters={"steps": 400}, checkpoint_every_steps=20)
 
-    ckpt = CheckpointStore(open_store(pipeline.checkpoint_store_spec(
+    ckpt = CheckpointStore(open_store(checkpoint_store_spec(
         run["run_key"], pipeline._estate(get_settings()).clusters[CLUSTER], get_settings())))
     evicted = []
 

@@ -106,18 +106,18 @@ def test_bad_training_settings_name_the_key(tmp_path, key, value, expected):
 
 
 def test_checkpoint_place_specs_per_cluster(tmp_path, monkeypatch):
-    from hybridflow import pipeline
+    from hybridflow.placement import places
 
     estate = load_estate(SHIPPED, use_cache=False)
     settings = Settings(home=tmp_path / "home", config_dir=SHIPPED)
     onprem = estate.clusters["onprem-a"]
-    primary = pipeline.checkpoint_store_spec("run-1", onprem, settings)
-    replica = pipeline.checkpoint_replica_spec("run-1", onprem, settings)
+    primary = places.checkpoint_store_spec("run-1", onprem, settings)
+    replica = places.checkpoint_replica_spec("run-1", onprem, settings)
     assert Path(primary.root) == settings.private_root / "checkpoints" / "run-1"
     assert Path(replica.root) == settings.home / "scratch" / "onprem-a" / "checkpoints" / "run-1"
     absolute = onprem.model_copy(update={"scratch_dir": str(tmp_path / "lustre")})
     absolute._name = "onprem-a"
-    assert Path(pipeline.checkpoint_replica_spec("run-1", absolute, settings).root) == (
+    assert Path(places.checkpoint_replica_spec("run-1", absolute, settings).root) == (
         tmp_path / "lustre" / "checkpoints" / "run-1"
     )
 
@@ -128,8 +128,8 @@ def test_checkpoint_place_specs_per_cluster(tmp_path, monkeypatch):
         "aws://access-key-123:secret-key-123@/?endpoint_url=http%3A%2F%2F127.0.0.1%3A9&region_name=us-east-1",
     )
     east = estate.clusters["cloud-east"]
-    primary = pipeline.checkpoint_store_spec("run-1", east, settings)
-    replica = pipeline.checkpoint_replica_spec("run-1", east, settings)
+    primary = places.checkpoint_store_spec("run-1", east, settings)
+    replica = places.checkpoint_replica_spec("run-1", east, settings)
     assert (primary.kind, primary.bucket, primary.prefix) == ("s3", "hf-cache-cloud-east", "checkpoints/run-1")
     assert Path(replica.root) == settings.private_root / "checkpoints" / "run-1"
 

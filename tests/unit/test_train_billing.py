@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session
 from hybridflow.admission import AdmittedRun, RunRequest
 from hybridflow.ledger import ingest_run_record
 from hybridflow.ledger.models import Attempt, Run
-from hybridflow.operators.train import _note_in_ledger
 from hybridflow.runs import RunIdentity
+from hybridflow.training.attempts import note_in_ledger
 
 PLACEMENT = {"cluster": "cloud-east", "pricing_class": "spot", "price_per_gpu_hour": 1.45}
 
@@ -47,12 +47,12 @@ def test_a_failed_try_is_in_the_ledger_before_any_run_record(tmp_path, monkeypat
     bill = {"run_key": "r-1", "admitted": _admitted(), "identity": RunIdentity("hybrid_training", "manual__1", 2),
             "placement": PLACEMENT, "log": logging.getLogger("t")}
 
-    _note_in_ledger(_attempts("running"), **bill)  # the gang just started
+    note_in_ledger(_attempts("running"), **bill)  # the gang just started
     runs, attempts = _rows(url)
     assert [(r.project, r.team, r.pricing_class) for r in runs] == [("digits-ocr", "perception", "spot")]
     assert attempts == [(1, "running", 2, "cloud-east", True)]  # open-ended: billed up to now
 
-    _note_in_ledger(_attempts("failed", "running"), **bill)  # try 1 failed, try 2 started
+    note_in_ledger(_attempts("failed", "running"), **bill)  # try 1 failed, try 2 started
     _, attempts = _rows(url)
     assert [a[:3] for a in attempts] == [(1, "failed", 2), (2, "running", 2)]  # replaced, not added
 
@@ -70,5 +70,5 @@ def test_an_unreachable_ledger_never_stops_training(monkeypatch, caplog):
     bill = {"run_key": "r-2", "admitted": _admitted(), "identity": RunIdentity("d", "r"),
             "placement": PLACEMENT, "log": logging.getLogger("t")}
     with caplog.at_level(logging.WARNING):
-        _note_in_ledger(_attempts("running"), **bill)
+        note_in_ledger(_attempts("running"), **bill)
     assert "could not note the training attempts in the ledger" in caplog.text
