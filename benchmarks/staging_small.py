@@ -10,7 +10,8 @@ s5cmd pipe`` per shard (--jobs shards at a time); both with a part size of at le
 shard, so each shard is one PutObject (s5cmd's requests are counted from its trace log). Reading
 back, the loader's time (manifest, then every shard, every sample verified, in memory) is compared
 with ``s5cmd cp`` of the tar files followed by ``tar -xf`` of each, and with ``s5cmd cat | tar
--xf -`` per shard (extracted files are counted and sized, not checked).
+-xf -`` per shard, each shard into a folder of its own (extracted files are counted and sized, not
+checked).
 
 hybridflow's times are whole first stages (scan and hash with no index, verified uploads,
 manifest). Client CPU is this process's CPU time (every thread) for hybridflow and the children's
@@ -151,7 +152,10 @@ def run(argv: list[str] | None = None) -> dict[str, Measured]:
             # ... and downloaded with one s5cmd cp, then extracted.
             dl, x = bench.root / "dl", bench.root / "x"
             x.mkdir()
-            extract = [["tar", "-xf", str(dl / f"{lst.stem}.tar"), "-C", str(x)] for lst in lists]
+            # Each shard into a folder of its own: GNU tar runs racing to create the same parent
+            # folder fail.
+            extract = [["tar", "-xf", str(dl / f"{lst.stem}.tar"), "-C", str(x), f"--one-top-level={lst.stem}"]
+                       for lst in lists]
             download = [bench.s5cmd("cp", f"s3://{b}/t/*", f"{dl}/")]
             keep(bench.run_steps(get_cp, [(download, 1), (extract, cores)], args.count, total))
             check_extracted(x, args.count, total)
@@ -168,7 +172,8 @@ def run(argv: list[str] | None = None) -> dict[str, Measured]:
             ]
             keep(bench.run_steps(tar_pipe, [(streams, args.jobs)], args.count, total))
             x.mkdir()
-            streams = [pipeline(bench.s5cmd("cat", key), ["tar", "-xf", "-", "-C", str(x)]) for key in tars(f"s3://{b}/t")]
+            streams = [pipeline(bench.s5cmd("cat", key), ["tar", "-xf", "-", "-C", str(x), f"--one-top-level={lst.stem}"])
+                       for lst, key in zip(lists, tars(f"s3://{b}/t"), strict=True)]
             keep(bench.run_steps(get_pipe, [(streams, args.jobs)], args.count, total))
             check_extracted(x, args.count, total)
             shutil.rmtree(x)
