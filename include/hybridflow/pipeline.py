@@ -141,10 +141,13 @@ def compress(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Setti
 
 
 def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Settings | None = None) -> dict:
-    """Blue/green behind the model's endpoint; the smoke test scores the held-out split through the
-    new version's server against the model's gate before any traffic moves."""
+    """Serve the compressed model behind the model's endpoint on the estate's deploy target
+    (``serving.target``), blue/green: locally the smoke test scores the held-out split through the new
+    version's server against the model's gate before any traffic moves; on Kubernetes the canary's
+    readiness probe is the gate."""
     from hybridflow.bundle import read_card
-    from hybridflow.serving.deploy import deploy as deploy_model
+    from hybridflow.serving import deploy_target
+    from hybridflow.serving.base import DeployRequest, roll
 
     settings = settings or get_settings()
     admitted = _admitted(run)
@@ -152,48 +155,19 @@ def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Sett
         log.info("deploy=false: the compressed model is kept in %s, not served", compressed["bundle"])
         return {"deployed": False}
     estate = _estate(settings)
-    serving = estate.pipeline.serving
     model = estate.models.get(admitted.model)
-    if serving.kubernetes is not None:
-        return _deploy_on_kubernetes(run, compressed, estate, serving, model.endpoint)
-    frame, _, _ = _holdout(run, estate, settings)
-    card = read_card(Path(compressed["bundle"]))
+    bundle = Path(compressed["bundle"])
+    card = read_card(bundle)
+
+    def smoke():  # read only by targets that smoke-test through the server
+        frame, _, _ = _holdout(run, estate, settings)
+        return frame[card.input_names].to_numpy(dtype="float32"), frame[card.target].to_numpy()
+
+    target = deploy_target(estate, model.endpoint, state_dir=settings.state_dir, log=log)
     started = time.monotonic()
-    result = deploy_model(
-        Path(compressed["bundle"]),
-        run["run_key"],
-        state_root=settings.state_dir / "serving",
-        endpoint=model.endpoint,
-        port=serving.port,
-        smoke=(frame[card.input_names].to_numpy(dtype="float32"), frame[card.target].to_numpy()),
-        metric=card.metric,
-        log=log,
-    )
+    result = roll(target, DeployRequest(run["run_key"], bundle, variant=compressed["selected"], metric=card.metric,
+                                        smoke=smoke))
     return {**result, "deployed": True, "seconds": round(time.monotonic() - started, 3)}
-
-
-def _deploy_on_kubernetes(run: Mapping[str, Any], compressed: Mapping[str, Any], estate, serving,
-                          endpoint: str) -> dict:
-    """Publish the compressed model on the inference pool's models volume and roll it out there as a
-    canary (the first version straight to stable); the pods' readiness probe is the smoke gate."""
-    from hybridflow.backends.k8s.backend import make_hook
-    from hybridflow.serving.k8s import InferencePool, InferenceRollout, Release, publish_model, roll_out
-
-    k8s = serving.kubernetes
-    cluster = estate.clusters[k8s.cluster]
-    pool = InferencePool(endpoint=endpoint, namespace=k8s.namespace, pool=cluster.pool(k8s.node_pool),
-                         models_claim=k8s.models_claim, replicas=k8s.replicas, port=k8s.port,
-                         gpus_per_replica=k8s.gpus_per_replica)
-    release = Release(version=run["run_key"], variant=compressed["selected"], image=k8s.image)
-    started = time.monotonic()
-    published = publish_model(Path(compressed["bundle"]), Path(k8s.models_dir), endpoint, release)
-    log.info("Model %s (%s) published to %s", release.version, release.variant, published)
-    result = roll_out(InferenceRollout(make_hook(cluster.conn_id), pool), release,
-                      canary_percent=k8s.canary_percent, timeout_s=k8s.ready_timeout_s, log=log)
-    log.info("Endpoint %s on %s/%s: %s", endpoint, k8s.cluster, k8s.namespace, result)
-    return {**result, "deployed": True, "cluster": k8s.cluster, "namespace": k8s.namespace,
-            "endpoint_url": f"http://{endpoint}.{k8s.namespace}.svc:{k8s.port}/v1/models/{endpoint}",
-            "seconds": round(time.monotonic() - started, 3)}
 
 
 def record(

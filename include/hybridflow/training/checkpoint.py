@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hybridflow.storage.objectstore import ObjectStore
+from hybridflow.storage.objectstore import ObjectStore, PartialSweep
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +310,8 @@ class CheckpointStore:
                 if name != MANIFEST_NAME:
                     self.store.delete(f"{prefix}/{name}")
             deleted.append(step)
-        sweep = getattr(self.store, "sweep_partials", None)
-        if sweep is not None:  # folder stores: temp files of writes killed mid-way
-            sweep()
+        if isinstance(self.store, PartialSweep):  # folder stores: temp files of writes killed mid-way
+            self.store.sweep_partials()
         return deleted
 
 
