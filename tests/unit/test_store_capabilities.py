@@ -84,3 +84,13 @@ def test_a_store_without_a_way_to_send_big_objects_is_named(tmp_path):
     settings = TransferSettings(workers=1, multipart_threshold=100_000, part_size=64_000)
     with pytest.raises(TypeError, match="neither multipart uploads nor streamed writes"):
         Uploader(PutOnly(), settings).upload([_item(tmp_path / "x", data)], uploads_prefix="")
+
+
+def test_open_store_picks_the_implementation_by_kind_and_names_the_kinds_it_knows(tmp_path):
+    from hybridflow.storage.objectstore import STORE_KINDS, StoreSpec, open_store
+
+    store = open_store(StoreSpec(kind="local", root=str(tmp_path)))
+    assert isinstance(store, LocalObjectStore) and store.uri.endswith(str(tmp_path))
+    with pytest.raises(ValueError, match=r"store kind 'gcs' is not supported; use one of: local, s3"):
+        open_store(StoreSpec(kind="gcs", root=str(tmp_path)))
+    assert set(STORE_KINDS) == {"local", "s3"}

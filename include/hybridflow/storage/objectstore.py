@@ -14,6 +14,7 @@ with ``isinstance``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import shutil
 import tempfile
@@ -231,19 +232,29 @@ class StoreSpec:
         return dataclasses.replace(self, prefix=f"{self.prefix.strip('/')}/{sub}".strip("/"))
 
 
-def open_store(spec: StoreSpec) -> ObjectStore:
-    if spec.kind == "local":
-        return LocalObjectStore(Path(spec.root or "."))
-    if spec.kind == "s3":
-        from hybridflow.storage.s3 import S3ObjectStore
+# kind -> "module.Class" with a ``from_spec`` constructor; imported only when a store of that kind opens.
+STORE_KINDS: dict[str, str] = {
+    "local": "hybridflow.storage.objectstore.LocalObjectStore",
+    "s3": "hybridflow.storage.s3.S3ObjectStore",
+}
 
-        return S3ObjectStore.from_spec(spec)
-    raise ValueError(f"store kind {spec.kind!r} is not supported; use 'local' or 's3'")
+
+def open_store(spec: StoreSpec) -> ObjectStore:
+    """The one place a store's implementation is picked, by ``spec.kind``."""
+    path = STORE_KINDS.get(spec.kind)
+    if path is None:
+        raise ValueError(f"store kind {spec.kind!r} is not supported; use one of: {', '.join(sorted(STORE_KINDS))}")
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name).from_spec(spec)
 
 
 class LocalObjectStore(VerifiedPut, ChunkedPut, PartialSweep):
     """A folder used as an object store. Writes land in a temp file and are renamed into place,
     so a reader never sees a half-written object."""
+
+    @classmethod
+    def from_spec(cls, spec: StoreSpec) -> LocalObjectStore:
+        return cls(Path(spec.root or "."))
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
