@@ -207,6 +207,89 @@ def pipeline_step(path: Path, suite: dict, work: Path):
     return run
 
 
+def _release_memory() -> None:
+    """Every read starts from the same state, as in a fresh task process: without this, Arrow's pool
+    keeps freed pages and later reads skip the page faults."""
+    import pyarrow as pa
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+
+
+def measure_case(case: str, source: Path, frame, suite: dict, report_dir: Path, repeat: int):
+    """Best-of-``repeat`` seconds of the product and pandas on one case, with and without the
+    Parquet read, their memory, the read alone, and what each found."""
+    import pandas as pd
+
+    sides = {
+        "product": lambda f: product(f, suite, report_dir),
+        "pandas": lambda f: pandas_checks(f, suite),
+    }
+    best: dict[tuple[str, bool], float] = {}
+    found: dict[str, list[str]] = {}
+    for _ in range(repeat):
+        for with_read in (False, True):
+            for side, run in sides.items():
+                t = time.perf_counter()
+                data = pd.read_parquet(source) if with_read else frame
+                found[side] = run(data)
+                seconds = time.perf_counter() - t
+                del data
+                _release_memory()
+                best[(side, with_read)] = min(seconds, best.get((side, with_read), seconds))
+    memory = {side: allocated_gib(run, frame) for side, run in sides.items()}  # untimed
+    read_alone = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        table = pd.read_parquet(source)
+        read_alone.append(time.perf_counter() - t)
+        del table
+        _release_memory()
+    rows = [(case, with_read, best[("product", with_read)], best[("pandas", with_read)],
+             memory["product"], memory["pandas"]) for with_read in (False, True)]
+    return rows, min(read_alone), found
+
+
+def measure_step(path: Path, suite: dict, repeat: int) -> tuple[float, float]:
+    """The pipeline's whole validate step against pandas reading and checking the same file."""
+    import pandas as pd
+
+    step_work = Path(tempfile.mkdtemp(prefix="validation-bench-step-"))
+    try:
+        step = pipeline_step(path, suite, step_work)
+        ours = ref = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            step()
+            ours = min(ours, time.perf_counter() - t)
+            _release_memory()
+            t = time.perf_counter()
+            failures = pandas_checks(pd.read_parquet(path), suite)
+            ref = min(ref, time.perf_counter() - t)
+            assert not failures
+            _release_memory()
+    finally:
+        shutil.rmtree(step_work, ignore_errors=True)
+    return ours, ref
+
+
+def print_table(rows_out: list, reads: dict[str, float], repeat: int, rows: int, suite: dict) -> float:
+    """The results as a Markdown table; returns the worst ratio."""
+    print(f"best of {repeat}; {rows:,} rows x {len(FEATURES)} float + 1 int columns, "
+          f"{len(suite['expectations'])} expectations")
+    print("| data | Parquet read | product s | pandas s | ratio | allocated during the checks GiB, product / pandas |")
+    print("|---|---|---:|---:|---:|---|")
+    worst = 0.0
+    for case, with_read, ours, ref, ours_mem, ref_mem in rows_out:
+        ratio = ours / ref
+        worst = max(worst, ratio)
+        memory = "(as above, plus the frame read)" if with_read else f"{ours_mem:.2f} / {ref_mem:.2f}"
+        print(f"| {case} | {'included' if with_read else 'no (frame in memory)'} | {ours:.2f} | {ref:.2f} | "
+              f"**{ratio:.2f}x** | {memory} |")
+    print("pd.read_parquet alone: " + ", ".join(f"{case} {seconds:.2f} s" for case, seconds in reads.items()))
+    return worst
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--rows", type=int, default=5_000_000)
@@ -215,7 +298,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import pandas as pd
-    import pyarrow as pa
 
     from hybridflow.validation import _import_gx, check_suite
 
@@ -228,58 +310,27 @@ def main() -> int:
 
     t0 = time.perf_counter()
     _import_gx()
-    gx_import = time.perf_counter() - t0
-    print(f"GX import: {gx_import:.2f} s (once per task process; not in the figures below)")
+    print(f"GX import: {time.perf_counter() - t0:.2f} s (once per task process; not in the figures below)")
 
     report_dir = Path(tempfile.mkdtemp(prefix="validation-bench-"))
-    rows_out = []
+    rows_out: list = []
     reads: dict[str, float] = {}
     try:
         frame = pd.read_parquet(path)
         print(f"frame: {len(frame):,} rows x {frame.shape[1]} columns, "
               f"{frame.memory_usage(index=False).sum() / 2**30:.2f} GiB in memory\n")
         for case in ("clean", "broken cells"):
+            source = path
             if case == "broken cells":
                 break_cells(frame, suite)
-                broken_path = args.dir / f"table-{args.rows}-broken.parquet"
-                if not broken_path.is_file():
-                    frame.to_parquet(broken_path, compression="zstd", row_group_size=1 << 20)
-            source = path if case == "clean" else broken_path
-            sides = {
-                "product": lambda f: product(f, suite, report_dir),
-                "pandas": lambda f: pandas_checks(f, suite),
-            }
-            best: dict[tuple[str, bool], float] = {}
-            found: dict[str, list[str]] = {}
-            for _ in range(args.repeat):
-                for with_read in (False, True):
-                    for side, run in sides.items():
-                        t = time.perf_counter()
-                        data = pd.read_parquet(source) if with_read else frame
-                        found[side] = run(data)
-                        seconds = time.perf_counter() - t
-                        del data
-                        # Every read starts from the same state, as in a fresh task process: without
-                        # this, Arrow's pool keeps freed pages and later reads skip the page faults.
-                        gc.collect()
-                        pa.default_memory_pool().release_unused()
-                        best[(side, with_read)] = min(seconds, best.get((side, with_read), seconds))
-            memory = {side: allocated_gib(run, frame) for side, run in sides.items()}  # untimed
-            read_alone = []
-            for _ in range(args.repeat):
-                t = time.perf_counter()
-                table = pd.read_parquet(source)
-                read_alone.append(time.perf_counter() - t)
-                del table
-                gc.collect()
-                pa.default_memory_pool().release_unused()
-            reads[case] = min(read_alone)
+                source = args.dir / f"table-{args.rows}-broken.parquet"
+                if not source.is_file():
+                    frame.to_parquet(source, compression="zstd", row_group_size=1 << 20)
+            rows, reads[case], found = measure_case(case, source, frame, suite, report_dir, args.repeat)
+            rows_out += rows
             if (not found["product"]) != (not found["pandas"]):
                 print(f"MISMATCH: product found {len(found['product'])} failures, pandas {len(found['pandas'])}")
                 return 1
-            for with_read in (False, True):
-                rows_out.append((case, with_read, best[("product", with_read)], best[("pandas", with_read)],
-                                 memory["product"], memory["pandas"]))
             if found["product"]:
                 print(f"{case}: product reports {len(found['product'])} failures, e.g.")
                 print("\n".join(f"  {line.strip()}" for line in found["product"][:3]))
@@ -287,36 +338,8 @@ def main() -> int:
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
 
-    print(f"best of {args.repeat}; {args.rows:,} rows x {len(FEATURES)} float + 1 int columns, "
-          f"{len(suite['expectations'])} expectations")
-    print("| data | Parquet read | product s | pandas s | ratio | allocated during the checks GiB, product / pandas |")
-    print("|---|---|---:|---:|---:|---|")
-    worst = 0.0
-    for case, with_read, ours, ref, ours_mem, ref_mem in rows_out:
-        ratio = ours / ref
-        worst = max(worst, ratio)
-        memory = "(as above, plus the frame read)" if with_read else f"{ours_mem:.2f} / {ref_mem:.2f}"
-        print(f"| {case} | {'included' if with_read else 'no (frame in memory)'} | {ours:.2f} | {ref:.2f} | "
-              f"**{ratio:.2f}x** | {memory} |")
-    print("pd.read_parquet alone: " + ", ".join(f"{case} {seconds:.2f} s" for case, seconds in reads.items()))
-    step_work = Path(tempfile.mkdtemp(prefix="validation-bench-step-"))
-    try:
-        step = pipeline_step(path, suite, step_work)
-        ours = ref = float("inf")
-        for _ in range(args.repeat):
-            t = time.perf_counter()
-            step()
-            ours = min(ours, time.perf_counter() - t)
-            gc.collect()
-            pa.default_memory_pool().release_unused()
-            t = time.perf_counter()
-            failures = pandas_checks(pd.read_parquet(path), suite)
-            ref = min(ref, time.perf_counter() - t)
-            assert not failures
-            gc.collect()
-            pa.default_memory_pool().release_unused()
-    finally:
-        shutil.rmtree(step_work, ignore_errors=True)
+    worst = print_table(rows_out, reads, args.repeat, args.rows, suite)
+    ours, ref = measure_step(path, suite, args.repeat)
     worst = max(worst, ours / ref)
     print(f"| clean, the pipeline's validate step (read, SHA-256 pin, schema, suite) | included | {ours:.2f} | "
           f"{ref:.2f} | **{ours / ref:.2f}x** | |")
