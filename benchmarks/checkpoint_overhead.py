@@ -109,6 +109,72 @@ def seeded(work: Path) -> tuple[dict, dict, dict]:
     return model, dataset_info(entry, version, entry.effective_classification), data
 
 
+def run_pairs(args, work: Path, server: RcloneS3Server, base: dict, steps: int) -> dict[str, list[dict]]:
+    """Runs without and with periodic checkpoints, alternating which goes first each round."""
+    runs: dict[str, list[dict]] = {"without": [], "with": []}
+    for r in range(args.rounds):
+        order = ("without", "with") if r % 2 == 0 else ("with", "without")
+        for kind in order:
+            name = f"{kind}-{r}"
+            spec = {
+                **base,
+                "run_key": name,
+                "checkpoint_store": StoreSpec(
+                    kind="s3", bucket=BUCKET, prefix=name, endpoint_url=server.endpoint_url
+                ).to_dict(),
+                # "without": only the final checkpoint after the loop, which the loop time excludes.
+                "checkpoint_every_steps": args.every if kind == "with" else 10**9,
+                "checkpoint_replica": StoreSpec(kind="local", root=str(work / "replica" / name)).to_dict(),
+            }
+            started, endpoint_cpu = time.monotonic(), cpu_seconds(server.pid)
+            result = run_worker(work, name, spec, server.endpoint_url)
+            result["endpoint_cpu_s"] = cpu_seconds(server.pid) - endpoint_cpu
+            runs[kind].append(result)
+            print(
+                f"{name:10s} {result['steps_per_s']:7.2f} steps/s over {steps} steps "
+                f"(loop {result['loop_seconds']:.1f}s, run {time.monotonic() - started:.1f}s, "
+                f"load average {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
+    return runs
+
+
+def report(args, runs: dict[str, list[dict]], steps: int) -> None:
+    """Throughput with and without checkpoints, time the training thread was blocked, background cost."""
+    history = [h for res in runs["with"] for h in res["checkpoints"]["history"] if h["step"] < steps]
+    blocked = [h["blocked_s"] for h in history]
+    without = statistics.mean(r["steps_per_s"] for r in runs["without"])
+    with_ckpt = statistics.mean(r["steps_per_s"] for r in runs["with"])
+    blocked_share = sum(blocked) / sum(r["loop_seconds"] for r in runs["with"])
+    size = history[-1]["bytes"]
+    print()
+    print(
+        f"model hidden={args.hidden}: checkpoint {size / 1e6:.1f} MB in {history[-1]['shards']} shards, "
+        f"every {args.every} steps, {len(history)} periodic checkpoints in {args.rounds} run(s)"
+    )
+    print(f"steps/s without checkpoints: {without:.2f}")
+    print(f"steps/s with checkpoints:    {with_ckpt:.2f}")
+    print(f"ratio with/without:          {with_ckpt / without:.3f}   (target >= 0.98)")
+    print(
+        f"training thread blocked per checkpoint: mean {statistics.mean(blocked) * 1000:.1f} ms, "
+        f"median {statistics.median(blocked) * 1000:.1f} ms, max {max(blocked) * 1000:.1f} ms; "
+        f"{blocked_share * 100:.3f} % of loop time (target <= 2 %)"
+    )
+    for key, label in (("serialise_s", "serialise+hash"), ("primary_s", "S3 primary"), ("replica_s", "replica")):
+        print(f"background {label:14s}: mean {statistics.mean(h[key] for h in history):.2f}s per checkpoint")
+    # On this machine the endpoint shares the training's cores; on a cluster it is another machine.
+    endpoint_cpu = sum(r["endpoint_cpu_s"] for r in runs["with"]) / (len(history) + len(runs["with"]))
+    print(
+        f"CPU per checkpoint: upload thread {statistics.mean(h['cpu_s'] for h in history):.2f}s, "
+        f"rclone endpoint {endpoint_cpu:.2f}s (on the same 2 cores as the training)"
+    )
+    print(
+        f"steps trained while a checkpoint was in flight: mean {statistics.mean(h['steps_in_flight'] for h in history):.1f}, "
+        f"max {max(h['steps_in_flight'] for h in history)}; offers declined while busy: "
+        f"{sum(r['checkpoints'].get('declined_offers', 0) for r in runs['with'])}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--hidden", type=int, default=4096, help="MLP width: 4096 makes a 69 MB checkpoint")
@@ -121,13 +187,9 @@ def main() -> int:
     server = RcloneS3Server(work / "s3", ACCESS, SECRET, log_path=work / "rclone.log")
     try:
         server.start()
-        S3ObjectStore(
-            BUCKET, endpoint_url=server.endpoint_url, access_key=ACCESS, secret_key=SECRET
-        ).ensure_bucket()
+        S3ObjectStore(BUCKET, endpoint_url=server.endpoint_url, access_key=ACCESS, secret_key=SECRET).ensure_bucket()
         model, dataset, data = seeded(work)
-        steps = args.every * (
-            args.intervals + 1
-        )  # periodic checkpoints at every, 2*every, ..., intervals*every
+        steps = args.every * (args.intervals + 1)  # periodic checkpoints at every, 2*every, ..., intervals*every
         base = {
             "run_key": "checkpoint-bench",
             "model": {"name": model.name, "entrypoint": model.entrypoint,
@@ -137,72 +199,7 @@ def main() -> int:
             "keep": 2,
             "log_every_steps": args.every,
         }
-        runs: dict[str, list[dict]] = {"without": [], "with": []}
-        for r in range(args.rounds):
-            order = ("without", "with") if r % 2 == 0 else ("with", "without")
-            for kind in order:
-                name = f"{kind}-{r}"
-                spec = {
-                    **base,
-                    "run_key": name,
-                    "checkpoint_store": StoreSpec(
-                        kind="s3", bucket=BUCKET, prefix=name, endpoint_url=server.endpoint_url
-                    ).to_dict(),
-                    # "without": only the final checkpoint after the loop, which the loop time excludes.
-                    "checkpoint_every_steps": args.every if kind == "with" else 10**9,
-                    "checkpoint_replica": StoreSpec(
-                        kind="local", root=str(work / "replica" / name)
-                    ).to_dict(),
-                }
-                started, endpoint_cpu = time.monotonic(), cpu_seconds(server.pid)
-                result = run_worker(work, name, spec, server.endpoint_url)
-                result["endpoint_cpu_s"] = cpu_seconds(server.pid) - endpoint_cpu
-                runs[kind].append(result)
-                print(
-                    f"{name:10s} {result['steps_per_s']:7.2f} steps/s over {steps} steps "
-                    f"(loop {result['loop_seconds']:.1f}s, run {time.monotonic() - started:.1f}s, "
-                    f"load average {os.getloadavg()[0]:.2f})",
-                    flush=True,
-                )
-
-        history = [h for res in runs["with"] for h in res["checkpoints"]["history"] if h["step"] < steps]
-        blocked = [h["blocked_s"] for h in history]
-        without = statistics.mean(r["steps_per_s"] for r in runs["without"])
-        with_ckpt = statistics.mean(r["steps_per_s"] for r in runs["with"])
-        blocked_share = sum(blocked) / sum(r["loop_seconds"] for r in runs["with"])
-        size = history[-1]["bytes"]
-        print()
-        print(
-            f"model hidden={args.hidden}: checkpoint {size / 1e6:.1f} MB in {history[-1]['shards']} shards, "
-            f"every {args.every} steps, {len(history)} periodic checkpoints in {args.rounds} run(s)"
-        )
-        print(f"steps/s without checkpoints: {without:.2f}")
-        print(f"steps/s with checkpoints:    {with_ckpt:.2f}")
-        print(f"ratio with/without:          {with_ckpt / without:.3f}   (target >= 0.98)")
-        print(
-            f"training thread blocked per checkpoint: mean {statistics.mean(blocked) * 1000:.1f} ms, "
-            f"median {statistics.median(blocked) * 1000:.1f} ms, max {max(blocked) * 1000:.1f} ms; "
-            f"{blocked_share * 100:.3f} % of loop time (target <= 2 %)"
-        )
-        for key, label in (
-            ("serialise_s", "serialise+hash"),
-            ("primary_s", "S3 primary"),
-            ("replica_s", "replica"),
-        ):
-            print(
-                f"background {label:14s}: mean {statistics.mean(h[key] for h in history):.2f}s per checkpoint"
-            )
-        # On this machine the endpoint shares the training's cores; on a cluster it is another machine.
-        endpoint_cpu = sum(r["endpoint_cpu_s"] for r in runs["with"]) / (len(history) + len(runs["with"]))
-        print(
-            f"CPU per checkpoint: upload thread {statistics.mean(h['cpu_s'] for h in history):.2f}s, "
-            f"rclone endpoint {endpoint_cpu:.2f}s (on the same 2 cores as the training)"
-        )
-        print(
-            f"steps trained while a checkpoint was in flight: mean {statistics.mean(h['steps_in_flight'] for h in history):.1f}, "
-            f"max {max(h['steps_in_flight'] for h in history)}; offers declined while busy: "
-            f"{sum(r['checkpoints'].get('declined_offers', 0) for r in runs['with'])}"
-        )
+        report(args, run_pairs(args, work, server, base, steps), steps)
         return 0
     finally:
         server.stop()
