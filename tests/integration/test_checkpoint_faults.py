@@ -1,5 +1,6 @@
 """Checkpoint fault drills with real worker processes: SIGKILL at random points of the checkpoint
-write (shards to S3, manifest, replica, pruning) and SIGTERM preemption through the train task.
+write (shards to S3, manifest, replica, pruning), a lost cache bucket and SIGTERM while storage
+stalls (preemption through the train task: test_checkpoint_faults_train_task.py).
 
 What "lost progress <= one checkpoint interval" means for asynchronous checkpoints, as checked here:
 a checkpoint's snapshot is taken at step s_k and committed W_k steps later (the in-flight window,
@@ -30,7 +31,6 @@ from pathlib import Path
 import pytest
 import torch
 from tests.support.jobs import job_spec, seed_example
-from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.backends.local import pid_alive
 from hybridflow.storage.objectstore import LocalObjectStore, StoreSpec
@@ -263,6 +263,78 @@ def s3_places(rclone_s3, tmp_path):
         server.close()
 
 
+def _kill_trial(server: _ForkServer, spec: dict, tmp_path: Path, i: int, rng: random.Random,
+                expected_resume: int) -> str:
+    """Trial ``i``: a worker that must resume from ``expected_resume``, SIGKILLed at the trial's
+    target (a random time, or just after a write phase began). Returns its log."""
+    target, pattern, max_delay = TARGETS[i % len(TARGETS)]
+    worker = _Worker(server, spec, tmp_path, f"trial-{i:02d}")
+    try:
+        assert worker.wait_for(STEP_RE, 60), (
+            f"trial {i}: no training step logged:\n{worker.read()[-3000:]}"
+        )
+        log = worker.read()
+        resumed = RESUME_RE.search(log)
+        assert resumed, log[-3000:]
+        # The worker resumed from the newest checkpoint that verifies in either place.
+        assert int(resumed.group(1) or 0) == expected_resume, (i, resumed.group(0), expected_resume)
+        mark = len(log)
+        if pattern is None:
+            time.sleep(rng.uniform(0.05, 0.8))
+        else:
+            assert worker.wait_for(pattern, 30, after=mark), f"trial {i}: {target} never began"
+            time.sleep(rng.uniform(0.0, max_delay))
+        assert worker.alive(), f"trial {i}: worker exited early:\n{worker.read()[-3000:]}"
+        worker.kill()
+        assert worker.wait() == -signal.SIGKILL
+    finally:
+        worker.stop()
+    return worker.read()
+
+
+def _trial_record(i: int, log: str, stores: tuple, replica: StoreSpec) -> dict:
+    """What killed trial ``i`` left: its phase, last step, the checkpoint the next launch must resume
+    from (``resume``) and the partial checkpoints newer than that."""
+    good_p, partial_p = _verified_steps(stores[0])
+    good_r, partial_r = _verified_steps(stores[1])
+    temp_files = [p.name for p in Path(replica.root).rglob(".*.part")]
+    expected_resume = max(good_p + good_r, default=0)
+    return {
+        "trial": i,
+        "target": TARGETS[i % len(TARGETS)][0],
+        "phase": _phase(log),
+        "last_step": max(int(s) for s in STEP_RE.findall(log)),
+        "resume": expected_resume,
+        # The checkpoint after the resume point that was being written when the worker died
+        # (none: the kill came before the next one was due).
+        "next_started": min((int(n) for n in STARTED_RE.findall(log) if int(n) > expected_resume),
+                            default=None),
+        "partial_primary": [s for s in partial_p if s > expected_resume],
+        "partial_replica": [s for s in partial_r if s > expected_resume],
+        "replica_temp_files": len(temp_files),
+    }
+
+
+def _run_to_the_end(server: _ForkServer, spec: dict, tmp_path: Path, name: str) -> _Worker:
+    """A worker of ``spec`` that must finish cleanly."""
+    worker = _Worker(server, spec, tmp_path, name)
+    try:
+        code = worker.wait()
+    finally:
+        worker.stop()
+    assert code == 0, worker.read()[-3000:]
+    return worker
+
+
+def _report(trials: list[dict]) -> str:
+    return "\n".join(
+        f"  trial {t['trial']:2d} {t['target']:8s} killed in {t['phase']:22s} last step {t['last_step']:5d} "
+        f"resume {t['resume']:5d} lost {t['last_step'] - t['resume']:3d} partial newer: "
+        f"primary {t['partial_primary']} replica {t['partial_replica']} temp files {t['replica_temp_files']}"
+        for t in trials
+    )
+
+
 def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tmp_path):
     primary, replica, stores, server = s3_places
     spec = _drill_spec(tmp_path, "kill-drill", primary, replica)
@@ -272,60 +344,14 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
     expected_resume = 0
     started = time.monotonic()
     for i in range(TRIALS):
-        target, pattern, max_delay = TARGETS[i % len(TARGETS)]
-        worker = _Worker(server, spec, tmp_path, f"trial-{i:02d}")
-        try:
-            assert worker.wait_for(STEP_RE, 60), (
-                f"trial {i}: no training step logged:\n{worker.read()[-3000:]}"
-            )
-            log = worker.read()
-            resumed = RESUME_RE.search(log)
-            assert resumed, log[-3000:]
-            # The worker resumed from the newest checkpoint that verifies in either place.
-            assert int(resumed.group(1) or 0) == expected_resume, (i, resumed.group(0), expected_resume)
-            mark = len(log)
-            if pattern is None:
-                time.sleep(rng.uniform(0.05, 0.8))
-            else:
-                assert worker.wait_for(pattern, 30, after=mark), f"trial {i}: {target} never began"
-                time.sleep(rng.uniform(0.0, max_delay))
-            assert worker.alive(), f"trial {i}: worker exited early:\n{worker.read()[-3000:]}"
-            worker.kill()
-            assert worker.wait() == -signal.SIGKILL
-        finally:
-            worker.stop()
-        log = worker.read()
-        last_step = max(int(s) for s in STEP_RE.findall(log))
+        log = _kill_trial(server, spec, tmp_path, i, rng, expected_resume)
         windows += [int(w) for _, w in DONE_RE.findall(log)]
-        good_p, partial_p = _verified_steps(stores[0])
-        good_r, partial_r = _verified_steps(stores[1])
-        temp_files = [p.name for p in Path(replica.root).rglob(".*.part")]
-        expected_resume = max(good_p + good_r, default=0)
-        trials.append(
-            {
-                "trial": i,
-                "target": target,
-                "phase": _phase(log),
-                "last_step": last_step,
-                "resume": expected_resume,
-                # The checkpoint after the resume point that was being written when the worker died
-                # (none: the kill came before the next one was due).
-                "next_started": min((int(n) for n in STARTED_RE.findall(log) if int(n) > expected_resume),
-                                    default=None),
-                "partial_primary": [s for s in partial_p if s > expected_resume],
-                "partial_replica": [s for s in partial_r if s > expected_resume],
-                "replica_temp_files": len(temp_files),
-            }
-        )
+        trials.append(_trial_record(i, log, stores, replica))
+        expected_resume = trials[-1]["resume"]
 
     # One more launch: it must resume from the last kill's newest checkpoint and finish cleanly.
     final_steps = expected_resume + 30
-    worker = _Worker(server, _steps(spec, final_steps), tmp_path, "final")
-    try:
-        code = worker.wait()
-    finally:
-        worker.stop()
-    assert code == 0, worker.read()[-3000:]
+    worker = _run_to_the_end(server, _steps(spec, final_steps), tmp_path, "final")
     assert f"resuming from checkpoint step {expected_resume}" in worker.read()
     result = json.loads(stores[0].get_bytes("result.json"))
     assert result["final_step"] == final_steps and result["start_step"] == expected_resume
@@ -333,12 +359,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
     # Resuming is exact, so the model after 20 kills equals, bit for bit, one trained without any.
     reference = StoreSpec(kind="local", root=str(tmp_path / "reference"))
     clean = {**_steps(spec, final_steps), "checkpoint_store": reference.to_dict(), "checkpoint_replica": None}
-    worker = _Worker(server, clean, tmp_path, "reference")
-    try:
-        code = worker.wait()
-    finally:
-        worker.stop()
-    assert code == 0, worker.read()[-3000:]
+    _run_to_the_end(server, clean, tmp_path, "reference")
     killed_model = torch.load(io.BytesIO(stores[0].get_bytes("model/final.pt")), weights_only=True)
     clean_model = torch.load(
         io.BytesIO(LocalObjectStore(Path(reference.root)).get_bytes("model/final.pt")), weights_only=True
@@ -350,12 +371,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
     bound = max(EVERY, w_max + 1) + w_max
     lost = [t["last_step"] - t["resume"] for t in trials]
     phases = Counter(t["phase"] for t in trials)
-    report = "\n".join(
-        f"  trial {t['trial']:2d} {t['target']:8s} killed in {t['phase']:22s} last step {t['last_step']:5d} "
-        f"resume {t['resume']:5d} lost {t['last_step'] - t['resume']:3d} partial newer: "
-        f"primary {t['partial_primary']} replica {t['partial_replica']} temp files {t['replica_temp_files']}"
-        for t in trials
-    )
+    report = _report(trials)
     print(
         f"\n{TRIALS} SIGKILL trials in {time.monotonic() - started:.0f}s; K={EVERY} steps, largest in-flight "
         f"window W={w_max} steps, bound max(K, W+1)+W={bound}; phases hit: {dict(phases)}; max lost {max(lost)}\n"
@@ -476,190 +492,3 @@ def test_preemption_with_stalled_storage_exits_within_grace_and_resumes_from_the
         if forks is not None:
             forks.close()
         server.stop()
-
-
-# -- SIGTERM preemption through the train task ------------------------------------------------------
-
-GRACE_S = 20.0
-
-
-@pytest.fixture
-def train_home(tmp_path, monkeypatch):
-    """An isolated HYBRIDFLOW_HOME and config (small preemption budget and grace) with the digits set."""
-    import shutil
-
-    import yaml
-
-    from hybridflow.settings import REPO_ROOT
-
-    home, config = tmp_path / "home", tmp_path / "config"
-    shutil.copytree(REPO_ROOT / "config", config)
-    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
-    pipeline["training"].update(preemption_grace_s=GRACE_S, preemption_retries=1)
-    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
-    monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
-    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
-    seed_examples(home)
-    return home, config
-
-
-def _set_training(config: Path, **values) -> None:
-    import yaml
-
-    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
-    pipeline["training"].update(values)
-    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
-
-
-class _TrainTask:
-    """The train task as Airflow runs it: GangTrainOperator.execute in its own thread."""
-
-    def __init__(self, name: str, params: dict) -> None:
-        import threading
-
-        from hybridflow.runs import RunIdentity
-
-        self.run, _, _, self.op, self.context = train_task(name, {"cluster_preference": "private", **params})
-        self.identity = RunIdentity.from_context(self.context)
-        self.result: dict | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._execute, daemon=True)
-
-    def _execute(self) -> None:
-        try:
-            self.result = self.op.execute(self.context)
-        except BaseException as exc:  # handed to the test thread
-            self.error = exc
-
-    @property
-    def run_key(self) -> str:
-        return self.run["run_key"]
-
-    def start(self) -> _TrainTask:
-        self.thread.start()
-        return self
-
-    def join(self, timeout: float = 300) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the train task did not finish"
-
-
-def _gang_pids(job_dir: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if str(job_dir) in cmdline and "hybridflow.training.worker" in cmdline and pid_alive(int(proc.name)):
-            pids.append(int(proc.name))
-    return pids
-
-
-def _wait_for_checkpoint(home: Path, task: _TrainTask, timeout: float = 120) -> None:
-    from hybridflow.training.checkpoint import CheckpointStore
-
-    place = CheckpointStore(LocalObjectStore(home / "private" / "checkpoints" / task.run_key))
-    deadline = time.monotonic() + timeout
-    while not place.committed_steps():
-        assert task.thread.is_alive() and time.monotonic() < deadline, task.error
-        time.sleep(0.05)
-
-
-def _attempts(home: Path, run_key: str) -> list[dict]:
-    return json.loads((home / "private" / "runs" / run_key / "train-attempts.json").read_text())
-
-
-def test_sigterm_preemption_commits_within_grace_and_the_relaunch_resumes(train_home):
-    from hybridflow.admission import AdmittedRun
-    from hybridflow.records import build_record
-
-    home, _ = train_home
-    task = _TrainTask("preempt", {"hyperparameters": {"steps": 1500}, "checkpoint_every_steps": 100,
-                                  "interruptible": True})
-    task.start()
-    gang = home / "state" / "jobs" / f"train-{task.run_key}"
-    try:
-        _wait_for_checkpoint(home, task)
-        victims = _gang_pids(gang / "try-1")
-        assert len(victims) == 2
-        # A spot reclaim: every worker of the gang gets SIGTERM at once.
-        sent = time.monotonic()
-        for pid in victims:
-            os.kill(pid, signal.SIGTERM)
-        while any(pid_alive(p) for p in victims):
-            assert time.monotonic() - sent < GRACE_S + 5, "preempted workers outlived the grace period"
-            time.sleep(0.02)
-        exited_after = time.monotonic() - sent
-        task.join()
-    finally:
-        for pid in _gang_pids(gang):
-            os.kill(pid, signal.SIGKILL)
-    assert task.error is None, task.error
-    result = task.result
-    assert exited_after < GRACE_S
-
-    first, second = result["attempts"]
-    assert (first["attempt"], first["outcome"]) == ("try-1", "preempted")
-    assert (second["attempt"], second["outcome"]) == ("try-1-relaunch-1", "succeeded")
-    # The final checkpoint is at the step the gang stopped after, committed inside the grace period,
-    # and the relaunch resumed from exactly that step.
-    assert first["last_step"] == first["last_committed_step"] == second["start_step"] > 0
-    assert 0 < first["sigterm_to_commit_s"] < GRACE_S
-    relaunch_log = (gang / "try-1-relaunch-1" / "rank-0.log").read_text()
-    assert f"resuming from checkpoint step {second['start_step']}" in relaunch_log
-    assert result["preemptions"] == 1 and result["final_step"] == 1500
-    assert result["start_step"] == second["start_step"]
-
-    record = build_record(AdmittedRun.from_xcom(task.run), task.identity, {"train": result})
-    training = record["training"]
-    assert training["preemptions"] == 1 and training["attempts"] == 2
-    assert training["steps_trained"] == record["checkpoints"]["final_step"] == 1500
-    assert training["steps_run"] == 1500 and training["steps_lost"] == 0  # nothing trained twice
-    assert [a["outcome"] for a in record["train_attempts"]] == ["preempted", "succeeded"]
-
-
-def test_preemptions_beyond_the_budget_fail_the_task_clearly(train_home):
-    from airflow.sdk.exceptions import AirflowFailException
-
-    home, config = train_home
-    _set_training(config, preemption_retries=0)
-    task = _TrainTask("budget", {"hyperparameters": {"steps": 5000}, "checkpoint_every_steps": 100})
-    task.start()
-    gang = home / "state" / "jobs" / f"train-{task.run_key}"
-    try:
-        _wait_for_checkpoint(home, task)
-        for pid in _gang_pids(gang / "try-1"):
-            os.kill(pid, signal.SIGTERM)
-        task.join()
-    finally:
-        for pid in _gang_pids(gang):
-            os.kill(pid, signal.SIGKILL)
-    assert isinstance(task.error, AirflowFailException), task.error
-    message = str(task.error)
-    assert "preempted 1 times" in message and "training.preemption_retries = 0" in message
-    assert "clear the train task" in message
-    assert [a["outcome"] for a in _attempts(home, task.run_key)] == ["preempted"]
-    assert not (gang / "try-1-relaunch-1").exists()
-
-
-def test_on_kill_stops_the_gang_and_is_not_relaunched_as_a_preemption(train_home):
-    home, _ = train_home
-    task = _TrainTask("on-kill", {"hyperparameters": {"steps": 5000}, "checkpoint_every_steps": 100})
-    task.start()
-    gang = home / "state" / "jobs" / f"train-{task.run_key}"
-    try:
-        _wait_for_checkpoint(home, task)
-        task.op.on_kill()  # what Airflow calls when the task is stopped (marked failed, timeout)
-        task.join(60)
-    finally:
-        for pid in _gang_pids(gang):
-            os.kill(pid, signal.SIGKILL)
-    assert task.error is not None  # the task ends; it does not train on in a relaunched gang
-    assert not _gang_pids(gang)
-    attempts = _attempts(home, task.run_key)
-    assert [a["outcome"] for a in attempts] == ["interrupted"]
-    assert attempts[0]["last_committed_step"] > 0
-    assert not (gang / "try-1-relaunch-1").exists()
