@@ -140,6 +140,32 @@ def kueue_status(job: Any) -> GangStatus:
     return GangStatus(RUNNING, f"{int(status.ready or 0) if status else 0} workers ready", failed)
 
 
+def delete_gang(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float) -> bool:
+    """Delete gang job ``name`` with its pods, Secret and Service, each call bounded by ``timeout``;
+    True if the job existed. Whatever is already gone is skipped, so a second call is a no-op."""
+    found = True
+    kw = {"name": name, "namespace": namespace, "propagation_policy": "Background", "_request_timeout": timeout}
+    try:
+        if scheduler == "volcano":
+            hook.custom_object_client.delete_namespaced_custom_object(
+                group=VOLCANO_GROUP, version=VOLCANO_VERSION, plural=VOLCANO_PLURAL, **kw)
+        else:
+            # Without a propagation policy the API orphans a Job's pods: they would keep their GPUs.
+            hook.batch_v1_client.delete_namespaced_job(**kw)
+    except Exception as exc:
+        if _status_code(exc) != 404:
+            raise
+        found = False
+    core = hook.core_v1_client
+    for remove, obj in ((core.delete_namespaced_secret, f"{name}-env"), (core.delete_namespaced_service, name)):
+        try:
+            remove(name=obj, namespace=namespace, _request_timeout=timeout)
+        except Exception as exc:
+            if _status_code(exc) != 404:
+                raise
+    return found
+
+
 # --- the backend --------------------------------------------------------------------------------
 
 
@@ -254,28 +280,7 @@ class KubernetesGangBackend(GangBackend):
 
     def delete(self, name: str) -> bool:
         """Delete the gang job with its pods, Secret and Service; True if the job existed."""
-        found = True
-        try:
-            if self.scheduler == "volcano":
-                self.hook.custom_object_client.delete_namespaced_custom_object(
-                    group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=self.namespace, plural=VOLCANO_PLURAL,
-                    name=name, propagation_policy="Background")
-            else:
-                # Without a propagation policy the API orphans a Job's pods: they would keep their GPUs.
-                self.hook.batch_v1_client.delete_namespaced_job(name=name, namespace=self.namespace,
-                                                                propagation_policy="Background")
-        except Exception as exc:
-            if _status_code(exc) != 404:
-                raise
-            found = False
-        core = self.hook.core_v1_client
-        for remove, obj in ((core.delete_namespaced_secret, f"{name}-env"), (core.delete_namespaced_service, name)):
-            try:
-                remove(name=obj, namespace=self.namespace)
-            except Exception as exc:
-                if _status_code(exc) != 404:
-                    raise
-        return found
+        return delete_gang(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s)
 
     cancel = delete  # on_kill
 

@@ -1,7 +1,8 @@
 """Deferrable wait for a gang job: polls its status until it ends, or moves or gives up waiting.
 
-Side-effect free towards the cluster (it never deletes or restarts: the operator decides in
-``execute_complete``), and every outcome, errors included, becomes one event with a ``status``:
+While waiting it changes nothing on the cluster (it never deletes or restarts: the operator
+decides in ``execute_complete``), and every outcome, errors included, becomes one event with a
+``status``:
 
 - ``success``: the gang finished;
 - ``failed``: it failed for good (restarts exhausted, or the job vanished);
@@ -15,6 +16,11 @@ While the gang waits, its position in the cluster's queue, the GPUs ahead of it 
 start go to the triggerer's log and to the run's queue.json (:mod:`hybridflow.queueing`).
 The event's ``gang`` holds the last :class:`~hybridflow.backends.k8s.backend.GangStatus` as a dict,
 ``admitted`` whether the gang ever started and ``admitted_at`` (epoch) when it was first seen so.
+
+A user marking the deferred task failed or success, or clearing it, cancels the wait: Airflow then
+calls :meth:`GangJobTrigger.on_kill`, which deletes the job with its pods, Secret and Service. A
+triggerer that restarts or hands the trigger to another triggerer only calls ``cleanup`` (not
+overridden): the gang keeps running and the next triggerer carries on waiting for it.
 """
 
 from __future__ import annotations
@@ -26,14 +32,23 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from hybridflow.backends.k8s.backend import FAILED, MISSING, PENDING, SUCCEEDED, make_hook, read_status
+from hybridflow.backends.k8s.backend import (
+    FAILED,
+    MISSING,
+    PENDING,
+    SUCCEEDED,
+    delete_gang,
+    make_hook,
+    read_status,
+)
 
 
 class GangJobTrigger(BaseTrigger):
     def __init__(self, *, conn_id: str, scheduler: str, namespace: str, name: str, cluster: str,
                  submitted_at: float, admission_timeout_s: float, poll_interval: float = 15.0,
                  admitted: bool = False, queued_since: float | None = None, max_wait_s: float | None = None,
-                 run: dict | None = None, placement: dict | None = None, admitted_at: float | None = None) -> None:
+                 run: dict | None = None, placement: dict | None = None, admitted_at: float | None = None,
+                 request_timeout_s: float = 10.0) -> None:
         super().__init__()
         self.conn_id = conn_id
         self.scheduler = scheduler
@@ -49,6 +64,7 @@ class GangJobTrigger(BaseTrigger):
         self.run_info = run
         self.placement = placement
         self.admitted_at = admitted_at
+        self.request_timeout_s = request_timeout_s  # bounds each Kubernetes API call
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -57,7 +73,8 @@ class GangJobTrigger(BaseTrigger):
              "cluster": self.cluster, "submitted_at": self.submitted_at,
              "admission_timeout_s": self.admission_timeout_s, "poll_interval": self.poll_interval,
              "admitted": self.admitted, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
-             "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at},
+             "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at,
+             "request_timeout_s": self.request_timeout_s},
         )
 
     def _event(self, status: str, message: str, gang: dict | None = None) -> TriggerEvent:
@@ -105,6 +122,16 @@ class GangJobTrigger(BaseTrigger):
             else:
                 self.log.info("gang %s: %s %s", self.name, gang.phase, gang.message)
             await asyncio.sleep(self.poll_interval)
+
+    async def on_kill(self) -> None:
+        """The user stopped the deferred task: delete the gang job with its pods, Secret and Service
+        (whatever is already gone is skipped). Each call is bounded by ``request_timeout_s``, well
+        within the triggerer's ``[triggerer] on_kill_timeout``."""
+        hook = make_hook(self.conn_id)
+        found = await asyncio.to_thread(delete_gang, hook, self.scheduler, self.namespace, self.name,
+                                        timeout=self.request_timeout_s)
+        self.log.info("gang %s/%s on %s %s: the task was stopped by a user", self.namespace, self.name,
+                      self.cluster, "deleted with its pods, Secret and Service" if found else "was already gone")
 
     def _room_elsewhere(self) -> str | None | bool:
         """Another eligible cluster with room now (its name), or False: keep waiting here. Without the

@@ -1,0 +1,100 @@
+"""A deferred Kubernetes train task stopped by a user deletes its gang; a triggerer restart does not.
+
+Driven through Airflow's own ``TriggerRunner.run_trigger`` and ``cancel_triggers``: a trigger removed
+by a user action (mark failed / success, clear) is cancelled with the user-action message and gets
+``on_kill``; a triggerer shutting down cancels it plainly and only ``cleanup`` runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from airflow.jobs.triggerer_job_runner import TriggerRunner
+from tests.support.k8s_sim import SimCluster, install
+
+from hybridflow.backends.k8s.backend import KubernetesGangBackend
+from hybridflow.backends.k8s.trigger import GangJobTrigger
+from hybridflow.backends.local import GangJob
+from hybridflow.config import Cluster
+
+NS = "hybridflow"
+
+
+def _cluster(scheduler: str) -> Cluster:
+    cluster = Cluster.model_validate({
+        "location": "private", "region": "dc-2", "backend": "kubernetes", "conn_id": "k8s_dc2",
+        "scheduler": scheduler,
+        "node_pools": [{"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
+                        "node_labels": {"hybridflow.io/pool": "h100"}}],
+        "prices": {"onprem": 1.1},
+    })
+    cluster._name = "dc2-k8s"
+    return cluster
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    sim = SimCluster({"h100-1": {"gpus": 8, "labels": {"hybridflow.io/pool": "h100"}}})
+    install(monkeypatch, sim)
+    return sim
+
+
+def _running_gang(sim: SimCluster, scheduler: str) -> str:
+    backend = KubernetesGangBackend(_cluster(scheduler), image="registry.local/train:1")
+    job = GangJob(name="train-r1-0123456789", workers=4, spec={"run_key": "r1"}, env={"TOKEN": "s3cr3t"},
+                  labels={"team": "vision"})
+    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+    sim.run(3)
+    assert len(sim.pod_names(job.name)) == 4
+    return job.name
+
+
+def _trigger(name: str, scheduler: str) -> GangJobTrigger:
+    return GangJobTrigger(conn_id="k8s_dc2", scheduler=scheduler, namespace=NS, name=name, cluster="dc2-k8s",
+                          submitted_at=time.time(), admission_timeout_s=600, poll_interval=0.05,
+                          request_timeout_s=2.0)
+
+
+async def _stop_while_deferred(trigger: GangJobTrigger, *, user_action: bool) -> None:
+    """Start the trigger in a TriggerRunner, let it poll, then stop it the way Airflow does."""
+    runner = TriggerRunner()
+    task = asyncio.create_task(runner.run_trigger(1, trigger, None, None))
+    runner.triggers[1] = {"task": task, "name": "gang", "events": 0, "is_watcher": False}
+    await asyncio.sleep(0.3)
+    assert not task.done()  # still waiting for the gang
+    if user_action:
+        runner.to_cancel.append(1)
+        await runner.cancel_triggers()
+    else:
+        task.cancel()  # triggerer shutting down (or handing the trigger over)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runner.triggers[1]["events"] == 0
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_user_stopping_the_deferred_task_deletes_job_pods_secret_and_service(sim, scheduler):
+    name = _running_gang(sim, scheduler)
+    asyncio.run(_stop_while_deferred(_trigger(name, scheduler), user_action=True))
+    assert not sim.vcjobs and not sim.jobs and sim.pod_names(name) == []
+    assert not sim.secrets and not sim.services and not sim.podgroups and not sim.workloads
+    deletes = [m for m, _ in sim.requests if m.startswith("delete_")]
+    assert deletes and all(t == 2.0 for m, t in sim.requests if m.startswith("delete_"))
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_triggerer_restart_leaves_the_gang_running(sim, scheduler):
+    name = _running_gang(sim, scheduler)
+    asyncio.run(_stop_while_deferred(_trigger(name, scheduler), user_action=False))
+    assert len(sim.pod_names(name)) == 4 and (sim.vcjobs or sim.jobs) and sim.secrets
+    assert not any(m.startswith("delete_") for m, _ in sim.requests)
+
+
+def test_on_kill_of_a_gang_already_gone_is_a_no_op(sim):
+    name = _running_gang(sim, "kueue")
+    trigger = _trigger(name, "kueue")
+    asyncio.run(trigger.on_kill())
+    assert not sim.jobs and not sim.secrets and not sim.services
+    asyncio.run(trigger.on_kill())  # the job, Secret and Service are gone: nothing to do, no error
+    assert sim.calls.count(f"delete job {name}") == 2 and not sim.jobs
