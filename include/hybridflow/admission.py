@@ -3,8 +3,10 @@
 ``admit`` resolves the model (``config/models.yaml``) and the dataset (``config/datasets.yaml``), takes
 the data's classification from the catalogue (a Param may raise it, never lower it), imports the
 model's entry points, checks the expectation suites and compares the data's header with the
-schema. It writes nothing, so a refused run leaves no trace to clean up. Every refusal is an
-:class:`AdmissionError` naming the Param (or catalogue key) at fault and what to change.
+schema, then probes the Connections of the Kubernetes clusters the run may be placed on
+(:mod:`hybridflow.conncheck`). It writes nothing, so a refused run leaves no trace to clean up.
+Every refusal is an :class:`AdmissionError` naming the Param (or catalogue or cluster key) at fault
+and what to change.
 """
 
 from __future__ import annotations
@@ -196,7 +198,11 @@ def admit(
 
     location = check_dataset(entry, private_root, file_roots)
     check_entrypoints(model)
-    return AdmittedRun(**req.model_dump(), team=project.team, dataset_location=location)
+    admitted = AdmittedRun(**req.model_dump(), team=project.team, dataset_location=location)
+    from hybridflow.conncheck import check_connections
+
+    check_connections(admitted, estate)  # refuses only when no cluster the run may use answers
+    return admitted
 
 
 def _resolve_names(req: RunRequest, estate: Estate):

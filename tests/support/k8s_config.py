@@ -14,3 +14,20 @@ def as_kubernetes(cluster: dict, *, conn_id: str, scheduler: str, **extra) -> di
         "scratch_claim": "scratch", **extra,
     })
     return cluster
+
+
+def kubeconfig(server: str, token: str, *, context: str = "dc2") -> dict:
+    """A kubeconfig (as the kube_config extra holds it) for ``server`` with a bearer-token user."""
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": context,
+        "clusters": [{"name": context, "cluster": {"server": server}}],
+        "users": [{"name": f"{context}-user", "user": {"token": token}}],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": f"{context}-user"}}],
+    }
+
+
+def kubernetes_connection(kube_config: dict | str) -> str:
+    """The value of ``AIRFLOW_CONN_<ID>`` for a kubernetes Connection holding ``kube_config``."""
+    import json
+
+    return json.dumps({"conn_type": "kubernetes", "extra": {"kube_config": kube_config}})
