@@ -100,8 +100,8 @@ def test_an_unreachable_kubernetes_cluster_is_never_chosen_and_the_explanation_s
     assert placement["cluster"] == "cloud-east"  # the cheaper private cluster cannot be read
     dc2 = next(c for c in placement["candidates"] if c["cluster"] == K8S)
     assert not dc2["eligible"] and "Connection k8s_dc2" in dc2["rules"]["reachable"]
-    with pytest.raises(Exception, match=r"k8s-dc2 \(private\): usage and queue unknown"):
-        _place({"classification": "restricted"}, "dark-restricted")  # nowhere else to go: said at placement
+    with pytest.raises(AdmissionError, match=r"cluster k8s-dc2 \(Connection k8s_dc2\): connection refused at sim\.invalid:6443"):
+        _place({"classification": "restricted"}, "dark-restricted")  # nowhere else to go: said at admit
 
 
 def test_a_missing_team_queue_is_said_at_placement_before_anything_runs(estate) -> None:
