@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from s3bench import Bench, Measured, MiB, measure_here, pipeline, table, write_files
@@ -69,11 +70,113 @@ def shard_lists(src: Path, folder: Path, settings: StagingSettings) -> tuple[lis
     return lists, max(plan.max_bytes for plan in plans)
 
 
+@dataclass(frozen=True)
+class TarRefs:
+    """The tar + s5cmd references: the shard lists, s5cmd's part size, concurrency, and labels."""
+    src: Path
+    lists: list[Path]
+    part: str  # MiB, at least the largest shard
+    jobs: int  # shards in flight for the pipelines
+    cores: int  # tar runs at a time for the tar files
+
+    @property
+    def tar_cp(self) -> str:
+        return TAR_CP.format(jobs=self.cores, part=self.part)
+
+    @property
+    def tar_pipe(self) -> str:
+        return TAR_PIPE.format(jobs=self.jobs, part=self.part)
+
+    @property
+    def get_cp(self) -> str:
+        return GET_CP.format(jobs=self.cores)
+
+    @property
+    def get_pipe(self) -> str:
+        return GET_PIPE.format(jobs=self.jobs)
+
+    def keys(self, prefix: str) -> list[str]:
+        return [f"{prefix}/{lst.stem}.tar" for lst in self.lists]
+
+
 def check_extracted(folder: Path, count: int, nbytes: int) -> None:
     files = [p for p in folder.rglob("*") if p.is_file()]
     got = sum(p.stat().st_size for p in files)
     if len(files) != count or got != nbytes:
         raise RuntimeError(f"extracted {len(files)} files, {got} bytes; expected {count}, {nbytes}")
+
+
+def tar_round(bench: Bench, t: TarRefs, count: int, total: int) -> list[Measured]:
+    """One round of tar + s5cmd over the same shards as hybridflow's, up and back down: through tar
+    files on disk and one s5cmd cp each way, then streamed per shard (no tar file either way)."""
+    out_rows: list[Measured] = []
+    # The same shards as tar files: written to disk, then uploaded with one s5cmd cp ...
+    b = bench.bucket("tar")
+    out = bench.root / "tars"
+    out.mkdir()
+    create = [["tar", "-cf", str(out / f"{lst.stem}.tar"), "-C", str(t.src), "-T", str(lst)] for lst in t.lists]
+    upload = [bench.s5cmd("cp", "-p", t.part, f"{out}/*", f"s3://{b}/t/", trace=True)]
+    out_rows.append(bench.run_steps(t.tar_cp, [(create, t.cores), (upload, 1)], count, total))
+    shutil.rmtree(out)
+    # ... and downloaded with one s5cmd cp, then extracted.
+    dl, x = bench.root / "dl", bench.root / "x"
+    x.mkdir()
+    # Each shard into a folder of its own: GNU tar runs racing to create the same parent
+    # folder fail.
+    extract = [["tar", "-xf", str(dl / f"{lst.stem}.tar"), "-C", str(x), f"--one-top-level={lst.stem}"]
+               for lst in t.lists]
+    download = [bench.s5cmd("cp", f"s3://{b}/t/*", f"{dl}/")]
+    out_rows.append(bench.run_steps(t.get_cp, [(download, 1), (extract, t.cores)], count, total))
+    check_extracted(x, count, total)
+    shutil.rmtree(dl)
+    shutil.rmtree(x)
+    bench.drop(b)
+
+    # Streamed: no tar file on disk either way.
+    b = bench.bucket("tarp")
+    streams = [
+        pipeline(["tar", "-cf", "-", "-C", str(t.src), "-T", str(lst)],
+                 bench.s5cmd("pipe", "-p", t.part, key, trace=True))
+        for lst, key in zip(t.lists, t.keys(f"s3://{b}/t"), strict=True)
+    ]
+    out_rows.append(bench.run_steps(t.tar_pipe, [(streams, t.jobs)], count, total))
+    x.mkdir()
+    streams = [pipeline(bench.s5cmd("cat", key), ["tar", "-xf", "-", "-C", str(x), f"--one-top-level={lst.stem}"])
+               for lst, key in zip(t.lists, t.keys(f"s3://{b}/t"), strict=True)]
+    out_rows.append(bench.run_steps(t.get_pipe, [(streams, t.jobs)], count, total))
+    check_extracted(x, count, total)
+    shutil.rmtree(x)
+    bench.drop(b)
+    return out_rows
+
+
+def report(best: dict[str, Measured], reads: list[Measured], t: TarRefs) -> None:
+    """Uploads against s5cmd per file and the tar references; read-back against s5cmd + tar -x."""
+    uploads = [best[k] for k in best if k not in (OURS_READ, t.get_cp, t.get_pipe)]
+    print(table(uploads, "s5cmd cp (per file)", per_object=True))
+    s5 = best["s5cmd cp (per file)"]
+    per_file, packed = best[OURS_FILE], best[OURS_PACKED]
+    print(f"\nper file: hybridflow / s5cmd objects/s = {per_file.objects_s / s5.objects_s:.2f}x (target >= 0.5), "
+          f"client CPU {per_file.cpu_ms_per_object:.2f} ms/object (target <= 2)")
+    print(f"packed:   staging time hybridflow / s5cmd per-file = {packed.seconds / s5.seconds:.2f}x (target <= 0.5)")
+    refs = [best[t.tar_cp], best[t.tar_pipe]]
+    for r in refs:
+        print(f"packed:   staging time hybridflow / {r.tool} = {packed.seconds / r.seconds:.2f}x; its S3 requests: "
+              + ", ".join(f"{op} {n}" for op, n in sorted((r.requests or {}).items())))
+    fairest = min(refs, key=lambda r: r.seconds)
+    print(f"packed:   staging time hybridflow / fastest tar + s5cmd ({fairest.tool}) = "
+          f"{packed.seconds / fairest.seconds:.2f}x (below 1 is faster)")
+
+    print("\nreading the packed shards back (hybridflow: in memory, every sample checked against its SHA-256; "
+          "tar: extracted to files, nothing checked):")
+    downloads = [best[OURS_READ], best[t.get_cp], best[t.get_pipe]]
+    print(table(downloads, t.get_cp, per_object=True))
+    fastest = min(downloads[1:], key=lambda r: r.seconds)
+    print(f"read-back time hybridflow / fastest s5cmd + tar -x ({fastest.tool}) = "
+          f"{best[OURS_READ].seconds / fastest.seconds:.2f}x (below 1 is faster)")
+    for r in [best[OURS_READ], *reads]:
+        print(f"loader read-back, {r.tool.split('(')[-1].rstrip(')')}: {r.objects} samples verified in "
+              f"{r.seconds:.2f}s ({r.objects_s:.0f} samples/s)")
 
 
 def run(argv: list[str] | None = None) -> dict[str, Measured]:
@@ -96,10 +199,8 @@ def run(argv: list[str] | None = None) -> dict[str, Measured]:
         settings = {pack: StagingSettings(pack=pack, **sizes) for pack in ("never", "always")}
         lists, shard_bound = shard_lists(src, bench.root / "lists", settings["always"])
         # A part size of at least the largest shard (s5cmd's least is 5 MiB): every shard one PutObject.
-        part = str(max(5, -(-shard_bound // MiB)))
-        cores = os.cpu_count() or 2
-        tar_cp, tar_pipe = TAR_CP.format(jobs=cores, part=part), TAR_PIPE.format(jobs=args.jobs, part=part)
-        get_cp, get_pipe = GET_CP.format(jobs=cores), GET_PIPE.format(jobs=args.jobs)
+        tars = TarRefs(src, lists, part=str(max(5, -(-shard_bound // MiB))), jobs=args.jobs,
+                       cores=os.cpu_count() or 2)
         print(f"{args.count} x {args.kib} KiB = {total / MiB:.0f} MiB on {bench.endpoint} (2 cores, loopback); "
               f"{len(lists)} shards")
         bench.warm_up(src)
@@ -109,9 +210,6 @@ def run(argv: list[str] | None = None) -> dict[str, Measured]:
         def keep(m: Measured) -> None:
             if m.tool not in best or m.seconds < best[m.tool].seconds:
                 best[m.tool] = m
-
-        def tars(key: str) -> list[str]:
-            return [f"{key}/{lst.stem}.tar" for lst in lists]
 
         for rep in range(args.repeat):
             b = bench.bucket("s5")
@@ -141,69 +239,10 @@ def run(argv: list[str] | None = None) -> dict[str, Measured]:
                     reads.append(read_back("per file", store, result.manifest_key, total))
                 bench.drop(b)
 
-            # The same shards as tar files: written to disk, then uploaded with one s5cmd cp ...
-            b = bench.bucket("tar")
-            out = bench.root / "tars"
-            out.mkdir()
-            create = [["tar", "-cf", str(out / f"{lst.stem}.tar"), "-C", str(src), "-T", str(lst)] for lst in lists]
-            upload = [bench.s5cmd("cp", "-p", part, f"{out}/*", f"s3://{b}/t/", trace=True)]
-            keep(bench.run_steps(tar_cp, [(create, cores), (upload, 1)], args.count, total))
-            shutil.rmtree(out)
-            # ... and downloaded with one s5cmd cp, then extracted.
-            dl, x = bench.root / "dl", bench.root / "x"
-            x.mkdir()
-            # Each shard into a folder of its own: GNU tar runs racing to create the same parent
-            # folder fail.
-            extract = [["tar", "-xf", str(dl / f"{lst.stem}.tar"), "-C", str(x), f"--one-top-level={lst.stem}"]
-                       for lst in lists]
-            download = [bench.s5cmd("cp", f"s3://{b}/t/*", f"{dl}/")]
-            keep(bench.run_steps(get_cp, [(download, 1), (extract, cores)], args.count, total))
-            check_extracted(x, args.count, total)
-            shutil.rmtree(dl)
-            shutil.rmtree(x)
-            bench.drop(b)
+            for m in tar_round(bench, tars, args.count, total):
+                keep(m)
 
-            # Streamed: no tar file on disk either way.
-            b = bench.bucket("tarp")
-            streams = [
-                pipeline(["tar", "-cf", "-", "-C", str(src), "-T", str(lst)],
-                         bench.s5cmd("pipe", "-p", part, key, trace=True))
-                for lst, key in zip(lists, tars(f"s3://{b}/t"), strict=True)
-            ]
-            keep(bench.run_steps(tar_pipe, [(streams, args.jobs)], args.count, total))
-            x.mkdir()
-            streams = [pipeline(bench.s5cmd("cat", key), ["tar", "-xf", "-", "-C", str(x), f"--one-top-level={lst.stem}"])
-                       for lst, key in zip(lists, tars(f"s3://{b}/t"), strict=True)]
-            keep(bench.run_steps(get_pipe, [(streams, args.jobs)], args.count, total))
-            check_extracted(x, args.count, total)
-            shutil.rmtree(x)
-            bench.drop(b)
-
-        uploads = [best[k] for k in best if k not in (OURS_READ, get_cp, get_pipe)]
-        print(table(uploads, "s5cmd cp (per file)", per_object=True))
-        s5 = best["s5cmd cp (per file)"]
-        per_file, packed = best[OURS_FILE], best[OURS_PACKED]
-        print(f"\nper file: hybridflow / s5cmd objects/s = {per_file.objects_s / s5.objects_s:.2f}x (target >= 0.5), "
-              f"client CPU {per_file.cpu_ms_per_object:.2f} ms/object (target <= 2)")
-        print(f"packed:   staging time hybridflow / s5cmd per-file = {packed.seconds / s5.seconds:.2f}x (target <= 0.5)")
-        refs = [best[tar_cp], best[tar_pipe]]
-        for r in refs:
-            print(f"packed:   staging time hybridflow / {r.tool} = {packed.seconds / r.seconds:.2f}x; its S3 requests: "
-                  + ", ".join(f"{op} {n}" for op, n in sorted((r.requests or {}).items())))
-        fairest = min(refs, key=lambda r: r.seconds)
-        print(f"packed:   staging time hybridflow / fastest tar + s5cmd ({fairest.tool}) = "
-              f"{packed.seconds / fairest.seconds:.2f}x (below 1 is faster)")
-
-        print("\nreading the packed shards back (hybridflow: in memory, every sample checked against its SHA-256; "
-              "tar: extracted to files, nothing checked):")
-        downloads = [best[OURS_READ], best[get_cp], best[get_pipe]]
-        print(table(downloads, get_cp, per_object=True))
-        fastest = min(downloads[1:], key=lambda r: r.seconds)
-        print(f"read-back time hybridflow / fastest s5cmd + tar -x ({fastest.tool}) = "
-              f"{best[OURS_READ].seconds / fastest.seconds:.2f}x (below 1 is faster)")
-        for r in [best[OURS_READ], *reads]:
-            print(f"loader read-back, {r.tool.split('(')[-1].rstrip(')')}: {r.objects} samples verified in "
-                  f"{r.seconds:.2f}s ({r.objects_s:.0f} samples/s)")
+        report(best, reads, tars)
         shutil.rmtree(src, ignore_errors=True)
     return best
 
