@@ -19,15 +19,20 @@ PodGroups, Kueue ClusterQueues, LocalQueues and Workloads, served by the custom 
 (namespaced and cluster-wide get and list, each object valid against its CRD schema, checked on
 every answer). Every call through the fakes is recorded in ``requests`` as (method,
 ``_request_timeout``); ``unreachable`` (True, or an exception to raise) makes every call fail as
-against an API server that cannot be reached, and ``api_delay_s`` makes every answer that slow (a
-call whose ``_request_timeout`` is shorter times out after that long instead, as urllib3 would).
+against an API server that cannot be reached, :meth:`SimCluster.outage` does so for a while only
+(e.g. an API server answering 503 while it restarts), ``api_delay_s`` makes every answer that slow
+(a call whose ``_request_timeout`` is shorter times out after that long instead, as urllib3
+would), and ``forbidden`` holds RBAC rules the caller lacks, as (verb, resource, API group): such a
+call gets the API server's 403 Status, message and all.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
+from kubernetes.client.exceptions import ApiException
 from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
 from tests.support import k8s_sim_queues as queues
 from tests.support.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
@@ -63,6 +68,9 @@ class SimCluster:
         self.requests: list[tuple[str, object]] = []  # every call: (method, its _request_timeout)
         self.unreachable: bool | BaseException = False
         self.api_delay_s = 0.0
+        self.forbidden: set[tuple[str, str, str]] = set()  # (verb, resource, group) the caller may not
+        self.user = "system:serviceaccount:airflow:hybridflow"
+        self._outage: tuple[float, BaseException] | None = None
         self.volcano_queues = {"root": queues.volcano_queue("root", parent=None),
                                "default": queues.volcano_queue("default")}
         self.podgroups: dict[tuple[str, str], dict] = {}
@@ -99,6 +107,11 @@ class SimCluster:
                 pool, "Failed to establish a new connection: [Errno 111] Connection refused"))
         if isinstance(self.unreachable, BaseException):
             raise self.unreachable
+        if self._outage is not None and time.monotonic() < self._outage[0]:
+            raise self._outage[1]
+        rbac = _rbac(method, kwargs)
+        if rbac in self.forbidden:
+            raise _forbidden(self.user, rbac, kwargs)
         if self.api_delay_s:
             read = timeout[-1] if isinstance(timeout, tuple) else timeout
             if read is not None and read < self.api_delay_s:
@@ -106,6 +119,12 @@ class SimCluster:
                 raise MaxRetryError(pool, f"/{method}", ReadTimeoutError(
                     pool, f"/{method}", f"Read timed out. (read timeout={read})"))
             time.sleep(self.api_delay_s)
+
+    def outage(self, seconds: float, status: int = 503) -> None:
+        """Every call fails for the next ``seconds`` (wall clock) with HTTP ``status``, as from an API
+        server that is restarting or overloaded; then it answers again."""
+        self._outage = (time.monotonic() + seconds, ApiException(status=status, reason="Service Unavailable"
+                                                                 if status == 503 else "Too Many Requests"))
 
     def add_volcano_queue(self, name: str, capability_gpus: int | None = None, parent: str = "root") -> None:
         self.volcano_queues[name] = queues.volcano_queue(name, capability_gpus, parent)
@@ -302,6 +321,38 @@ class SimCluster:
             if key[0] == ns and obj["metadata"]["ownerReferences"][0]["name"] == name:
                 del store[key]
         self.sync_queues()
+
+_VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "delete": "delete",
+          "patch": "patch", "replace": "update"}
+_CORE = {"job": ("jobs", "batch"), "secret": ("secrets", ""), "service": ("services", ""),
+         "pod": ("pods", ""), "node": ("nodes", "")}
+
+
+def _rbac(method: str, kwargs: dict) -> tuple[str, str, str]:
+    """(verb, resource, group) a client method needs, as the API server authorises it."""
+    verb = _VERBS.get(method.split("_", 1)[0], method)
+    if "plural" in kwargs:
+        return verb, kwargs["plural"], kwargs.get("group", "")
+    kind = method.rsplit("_", 1)[-1]
+    if method.endswith("_status"):
+        kind = method.rsplit("_", 2)[-2]
+    resource, group = _CORE.get(kind, (kind + "s", ""))
+    return verb, resource, group
+
+
+def _forbidden(user: str, rbac: tuple[str, str, str], kwargs: dict) -> ApiException:
+    verb, resource, group = rbac
+    qualified = f"{resource}.{group}" if group else resource
+    name, ns = kwargs.get("name"), kwargs.get("namespace")
+    message = (f"{qualified}{f' {json.dumps(name)}' if name else ''} is forbidden: User {json.dumps(user)} cannot "
+               f"{verb} resource {json.dumps(resource)} in API group {json.dumps(group)}"
+               + (f" in the namespace {json.dumps(ns)}" if ns else " at the cluster scope"))
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                           "message": message, "reason": "Forbidden",
+                           "details": {"name": name, "group": group, "kind": resource}, "code": 403})
+    return exc
+
 
 def _admission_order(jobs: dict, priority_class) -> list:
     return sorted(jobs.items(), key=lambda item: (-queues.PRIORITY_VALUES.get(priority_class(item[1]), 0),

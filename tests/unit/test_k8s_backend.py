@@ -268,8 +268,9 @@ def test_trigger_turns_api_errors_and_failures_into_events(sim):
         raise ConnectionError("connection refused")
 
     sim.on_read = down
-    event = asyncio.run(_first_event(_trigger("train-r1-abc")))
+    event = asyncio.run(_first_event(_trigger("train-r1-abc", api_outage_s=1)))
     assert event["status"] == "error" and "connection refused" in event["message"]
+    assert "unreachable for 1 s" in event["message"]
     with pytest.raises(GangError, match="re-attaches"):
         _backend("volcano").on_event(event)
     sim.on_read = None

@@ -30,6 +30,9 @@ class TrainingSettings(_Model):
     # slot, polling the job this often.
     kubernetes_deferrable: bool = True
     kubernetes_poll_s: float = Field(default=15, gt=0, le=600)
+    # A Kubernetes API that does not answer (or answers 429/5xx) is retried this long during the
+    # wait before the train task fails saying so; the gang itself keeps running.
+    kubernetes_api_outage_s: float = Field(default=300, gt=0, le=86_400)
 
 
 class AdmissionSettings(_Model):

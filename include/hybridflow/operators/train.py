@@ -327,7 +327,7 @@ class GangTrainOperator(BaseOperator):
                     admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
                     admitted=sub.status.phase not in (PENDING, MISSING), queued_since=queued_since or started,
                     max_wait_s=cfg.max_queue_wait_s, run=dict(self.run), placement=dict(job.placement),
-                    request_timeout_s=backend.read_timeout_s,
+                    request_timeout_s=backend.read_timeout_s, api_outage_s=cfg.kubernetes_api_outage_s,
                 ),
                 method_name="execute_complete",
                 kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,

@@ -103,14 +103,17 @@ def make_hook(conn_id: str) -> Any:
 # --- status, shared with the trigger ------------------------------------------------------------
 
 
-def read_status(hook: Any, scheduler: str, namespace: str, name: str) -> GangStatus:
-    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job."""
+def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float) -> GangStatus:
+    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job. The call
+    is bounded by ``timeout`` seconds."""
     try:
         if scheduler == "volcano":
             obj = hook.custom_object_client.get_namespaced_custom_object(
-                group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name)
+                group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name,
+                _request_timeout=timeout)
             return volcano_status(obj)
-        return kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace))
+        return kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace,
+                                                                     _request_timeout=timeout))
     except Exception as exc:
         if _status_code(exc) == 404:
             return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
@@ -221,7 +224,7 @@ class KubernetesGangBackend(GangBackend):
         )
 
     def status(self, name: str) -> GangStatus:
-        return read_status(self.hook, self.scheduler, self.namespace, name)
+        return read_status(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s)
 
     def submit(self, spec: GangSpec, secret_env: Mapping[str, str] | None = None) -> Submission:
         """Create the gang job, or re-attach to the one this run created before."""
@@ -237,12 +240,14 @@ class KubernetesGangBackend(GangBackend):
             self._put_secret(env_secret(spec.env_secret, self.namespace, secret_env or {}, spec.name))
         try:
             if self.scheduler == "volcano":
-                self.hook.create_custom_object(group=VOLCANO_GROUP, version=VOLCANO_VERSION, plural=VOLCANO_PLURAL,
-                                               body=manifest, namespace=self.namespace)
+                self.hook.custom_object_client.create_namespaced_custom_object(
+                    group=VOLCANO_GROUP, version=VOLCANO_VERSION, plural=VOLCANO_PLURAL, body=manifest,
+                    namespace=self.namespace, _request_timeout=self.read_timeout_s)
             else:
                 self._create_ignoring_conflict(self.hook.core_v1_client.create_namespaced_service,
                                                rendezvous_service(spec))
-                self.hook.batch_v1_client.create_namespaced_job(namespace=self.namespace, body=manifest)
+                self.hook.batch_v1_client.create_namespaced_job(namespace=self.namespace, body=manifest,
+                                                                _request_timeout=self.read_timeout_s)
         except Exception as exc:
             if _status_code(exc) != 409:
                 raise
@@ -255,7 +260,7 @@ class KubernetesGangBackend(GangBackend):
 
     def _create_ignoring_conflict(self, create: Callable[..., Any], body: dict) -> None:
         try:
-            create(namespace=self.namespace, body=body)
+            create(namespace=self.namespace, body=body, _request_timeout=self.read_timeout_s)
         except Exception as exc:
             if _status_code(exc) != 409:
                 raise
@@ -263,17 +268,19 @@ class KubernetesGangBackend(GangBackend):
     def _put_secret(self, body: dict) -> None:
         core = self.hook.core_v1_client
         try:
-            core.create_namespaced_secret(namespace=self.namespace, body=body)
+            core.create_namespaced_secret(namespace=self.namespace, body=body, _request_timeout=self.read_timeout_s)
         except Exception as exc:
             if _status_code(exc) != 409:
                 raise
-            core.replace_namespaced_secret(name=body["metadata"]["name"], namespace=self.namespace, body=body)
+            core.replace_namespaced_secret(name=body["metadata"]["name"], namespace=self.namespace, body=body,
+                                           _request_timeout=self.read_timeout_s)
 
     def delete_secret(self, name: str) -> None:
         """Remove the gang's Secret (store credentials) once it no longer needs it; the job stays
         for its status and logs."""
         try:
-            self.hook.core_v1_client.delete_namespaced_secret(name=f"{name}-env", namespace=self.namespace)
+            self.hook.core_v1_client.delete_namespaced_secret(name=f"{name}-env", namespace=self.namespace,
+                                                              _request_timeout=self.read_timeout_s)
         except Exception as exc:
             if _status_code(exc) != 404:
                 raise

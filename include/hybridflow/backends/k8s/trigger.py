@@ -10,7 +10,9 @@ decides in ``execute_complete``), and every outcome, errors included, becomes on
   now (looked for every ``admission_timeout_s``); without ``run`` and ``placement`` (nothing to
   look with) this fires once ``admission_timeout_s`` has passed;
 - ``expired``: still waiting ``max_wait_s`` after it first queued (``queued_since``);
-- ``error``: the API could not be read (the message says why).
+- ``error``: the API could not be read: it refused the Connection (401, or 403 naming the RBAC verb
+  and resource missing), or stayed unreachable for ``api_outage_s`` (connection errors, timeouts, 429
+  and 5xx answers are retried with backoff until then, without ending the wait).
 
 While the gang waits, its position in the cluster's queue, the GPUs ahead of it and an estimated
 start go to the triggerer's log and to the run's queue.json (:mod:`hybridflow.queueing`).
@@ -32,15 +34,21 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from hybridflow.backends.k8s.api import describe, is_transient, job_call, misconfiguration
 from hybridflow.backends.k8s.backend import (
     FAILED,
     MISSING,
     PENDING,
     SUCCEEDED,
+    GangStatus,
     delete_gang,
     make_hook,
     read_status,
 )
+from hybridflow.errors import GangError
+
+# on_kill retries transient API errors this long: within the triggerer's default on_kill_timeout.
+KILL_RETRY_S = 15.0
 
 
 class GangJobTrigger(BaseTrigger):
@@ -48,7 +56,7 @@ class GangJobTrigger(BaseTrigger):
                  submitted_at: float, admission_timeout_s: float, poll_interval: float = 15.0,
                  admitted: bool = False, queued_since: float | None = None, max_wait_s: float | None = None,
                  run: dict | None = None, placement: dict | None = None, admitted_at: float | None = None,
-                 request_timeout_s: float = 10.0) -> None:
+                 request_timeout_s: float = 10.0, api_outage_s: float = 300.0) -> None:
         super().__init__()
         self.conn_id = conn_id
         self.scheduler = scheduler
@@ -65,6 +73,7 @@ class GangJobTrigger(BaseTrigger):
         self.placement = placement
         self.admitted_at = admitted_at
         self.request_timeout_s = request_timeout_s  # bounds each Kubernetes API call
+        self.api_outage_s = api_outage_s  # how long an unreachable API is waited out
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -74,7 +83,7 @@ class GangJobTrigger(BaseTrigger):
              "admission_timeout_s": self.admission_timeout_s, "poll_interval": self.poll_interval,
              "admitted": self.admitted, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
              "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at,
-             "request_timeout_s": self.request_timeout_s},
+             "request_timeout_s": self.request_timeout_s, "api_outage_s": self.api_outage_s},
         )
 
     def _event(self, status: str, message: str, gang: dict | None = None) -> TriggerEvent:
@@ -88,10 +97,9 @@ class GangJobTrigger(BaseTrigger):
         window_end = self.submitted_at + self.admission_timeout_s
         last_note = None
         while True:
-            try:
-                gang = await asyncio.to_thread(read_status, hook, self.scheduler, self.namespace, self.name)
-            except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
-                yield self._event("error", f"could not read gang {self.namespace}/{self.name}: {exc}")
+            gang = await self._read(hook)
+            if isinstance(gang, TriggerEvent):
+                yield gang
                 return
             if gang.phase != PENDING and not self.admitted:
                 self.admitted, self.admitted_at = True, time.time()
@@ -123,13 +131,52 @@ class GangJobTrigger(BaseTrigger):
                 self.log.info("gang %s: %s %s", self.name, gang.phase, gang.message)
             await asyncio.sleep(self.poll_interval)
 
+    async def _read(self, hook: Any) -> GangStatus | TriggerEvent:
+        """One reading of the gang, waiting out transient API errors with backoff for up to
+        ``api_outage_s``; an ``error`` event when the API refuses the Connection or stays away."""
+        call = job_call("get", self.scheduler, self.namespace)
+        outage_since, failures = None, 0
+        while True:
+            try:
+                return await asyncio.to_thread(read_status, hook, self.scheduler, self.namespace, self.name,
+                                               timeout=self.request_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
+                problem = misconfiguration(exc, self.conn_id, call)
+                if problem or not is_transient(exc):
+                    return self._event("error", f"could not read gang {self.namespace}/{self.name} on cluster "
+                                       f"{self.cluster}: {problem or describe(exc)}")
+                now = time.monotonic()
+                outage_since = outage_since if outage_since is not None else now
+                if now - outage_since >= self.api_outage_s:
+                    return self._event("error", f"the Kubernetes API of cluster {self.cluster} (Connection "
+                                       f"{self.conn_id!r}) was unreachable for {now - outage_since:.0f} s while "
+                                       f"waiting for gang {self.name} (training.kubernetes_api_outage_s): {describe(exc)}")
+                failures += 1
+                delay = min(max(self.poll_interval, 1.0), 0.5 * 2 ** (failures - 1),
+                            self.api_outage_s - (now - outage_since))
+                self.log.warning("gang %s: Kubernetes API of %s not answering (%s); retrying in %.1f s",
+                                 self.name, self.cluster, describe(exc), delay)
+                await asyncio.sleep(delay)
+
     async def on_kill(self) -> None:
         """The user stopped the deferred task: delete the gang job with its pods, Secret and Service
         (whatever is already gone is skipped). Each call is bounded by ``request_timeout_s``, well
-        within the triggerer's ``[triggerer] on_kill_timeout``."""
+        within the triggerer's ``[triggerer] on_kill_timeout`` (30 s by default); transient errors are
+        retried for up to ``KILL_RETRY_S``."""
         hook = make_hook(self.conn_id)
-        found = await asyncio.to_thread(delete_gang, hook, self.scheduler, self.namespace, self.name,
-                                        timeout=self.request_timeout_s)
+        give_up, delay = time.monotonic() + KILL_RETRY_S, 0.5
+        while True:
+            try:
+                found = await asyncio.to_thread(delete_gang, hook, self.scheduler, self.namespace, self.name,
+                                                timeout=self.request_timeout_s)
+                break
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay >= give_up:
+                    problem = misconfiguration(exc, self.conn_id, job_call("delete", self.scheduler, self.namespace))
+                    raise GangError(f"could not delete gang {self.namespace}/{self.name} on cluster {self.cluster}: "
+                                    f"{problem or describe(exc)}; delete it by hand") from exc
+                await asyncio.sleep(delay)
+                delay *= 2
         self.log.info("gang %s/%s on %s %s: the task was stopped by a user", self.namespace, self.name,
                       self.cluster, "deleted with its pods, Secret and Service" if found else "was already gone")
 
