@@ -51,9 +51,7 @@ TARGETS = [
     ("random", None, 0.0),
 ]
 STEP_RE = re.compile(r"INFO step (\d+) loss ")
-PHASE_RE = re.compile(
-    r"checkpoint step \d+: (serialising|writing shard|writing manifest|committed in|pruning)"
-)
+PHASE_RE = re.compile(r"checkpoint step \d+: (serialising|writing shard|writing manifest|committed in|pruning)")
 DONE_RE = re.compile(r"INFO checkpoint step (\d+) committed .* (\d+) steps trained meanwhile")
 RESUME_RE = re.compile(r"resuming from checkpoint step (\d+)|starting from step 0")
 STARTED_RE = re.compile(r"checkpoint step (\d+): serialising")  # the upload thread took it (debug log)
@@ -99,10 +97,9 @@ def _verified_steps(store) -> tuple[list[int], list[int]]:
             partial.append(step)
             continue
         manifest = json.loads(store.get_bytes(f"step-{step:09d}/MANIFEST.json"))
-        if all(
-            hashlib.sha256(store.get_bytes(f"step-{step:09d}/{s['name']}")).hexdigest() == s["sha256"]
-            for s in manifest["shards"]
-        ):
+        shard_ok = (hashlib.sha256(store.get_bytes(f"step-{step:09d}/{s['name']}")).hexdigest() == s["sha256"]
+                    for s in manifest["shards"])
+        if all(shard_ok):
             good.append(step)
     return sorted(good), sorted(partial)
 
@@ -292,6 +289,15 @@ def _kill_trial(server: _ForkServer, spec: dict, tmp_path: Path, i: int, rng: ra
     return worker.read()
 
 
+def _cut_window(log: str) -> list[int]:
+    """The window of the write the kill cut short: taken at step s, never logged as committed, so in
+    flight for at least (last step - s) steps; part of the run's W like a committed one's."""
+    done = {int(s) for s, _ in DONE_RE.findall(log)}
+    cut = [int(s) for s in STARTED_RE.findall(log) if int(s) not in done]
+    steps = [int(s) for s in STEP_RE.findall(log)]
+    return [max(steps) - max(cut)] if cut and steps else []
+
+
 def _trial_record(i: int, log: str, stores: tuple, replica: StoreSpec) -> dict:
     """What killed trial ``i`` left: its phase, last step, the checkpoint the next launch must resume
     from (``resume``) and the partial checkpoints newer than that."""
@@ -345,7 +351,7 @@ def test_sigkill_at_random_points_never_loads_a_partial_checkpoint(s3_places, tm
     started = time.monotonic()
     for i in range(TRIALS):
         log = _kill_trial(server, spec, tmp_path, i, rng, expected_resume)
-        windows += [int(w) for _, w in DONE_RE.findall(log)]
+        windows += [int(w) for _, w in DONE_RE.findall(log)] + _cut_window(log)
         trials.append(_trial_record(i, log, stores, replica))
         expected_resume = trials[-1]["resume"]
 
