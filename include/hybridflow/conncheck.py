@@ -82,7 +82,7 @@ def check_connections(run: AdmittedRun, estate: Estate) -> list[ConnectionProble
 
 def probe(cluster: Cluster, timeout_s: float) -> ConnectionProblem | None:
     """None when the cluster's API server answers through its Connection within ``timeout_s``."""
-    from airflow.providers.common.compat.sdk import AirflowNotFoundException
+    from airflow.sdk.exceptions import AirflowNotFoundException
 
     from hybridflow.backends.k8s.backend import make_hook
 
