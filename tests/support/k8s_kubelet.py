@@ -43,7 +43,7 @@ class Kubelet:
                 del self.procs[key]
             elif proc.poll() is not None:
                 pod.update(phase="Succeeded" if proc.returncode == 0 else "Failed",
-                           reason=None if proc.returncode == 0 else "Error")
+                           reason=None if proc.returncode == 0 else "Error", exit_code=proc.returncode)
                 del self.procs[key]
         for owner in {p["owner"] for p in self.sim.pods.values()}:
             if not any(k for k in self.procs if self.sim.pods.get(k, {}).get("owner") == owner):

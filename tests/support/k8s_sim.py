@@ -2,10 +2,12 @@
 
 Nodes have GPU capacity, labels, cordons and taints; pods move Pending -> Running -> Succeeded /
 Failed (or are evicted); Volcano Jobs are admitted all-or-nothing by ``minAvailable`` and follow
-their lifecycle policies (PodEvicted / PodFailed -> RestartJob up to ``maxRetry``); Kueue-managed
-batch/v1 Jobs stay suspended until the whole gang fits, then Kueue unsuspends them and the Job
-controller keeps ``parallelism`` pods, recreating evicted ones without counting them against
-``backoffLimit`` (the podFailurePolicy Ignore rule on DisruptionTarget).
+their lifecycle policies (first match by event or exit code; RestartJob up to ``maxRetry``,
+TerminateJob / AbortJob keep the pods that already ended); Kueue-managed batch/v1 Jobs stay
+suspended until the whole gang fits, then Kueue unsuspends them and the Job controller keeps
+``parallelism`` pods, applying the podFailurePolicy to each failed pod (Ignore: recreated, not
+counted; FailJob: the Job fails; no rule: counted towards ``backoffLimit``) and keeping failed pods
+with their exit codes (:mod:`tests.support.k8s_sim_policies`).
 
 It is driven through the same client calls as a real API server: fakes of the kubernetes client's
 ``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods (:mod:`tests.support.k8s_sim_api`), returning the client's own model
@@ -34,6 +36,7 @@ import uuid
 
 from kubernetes.client.exceptions import ApiException
 from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
+from tests.support import k8s_sim_policies as policies
 from tests.support import k8s_sim_queues as queues
 from tests.support.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
     FakeBatchV1Api,
@@ -178,7 +181,8 @@ class SimCluster:
                  index: int | None = None) -> None:
         self.pods[(ns, name)] = {"name": name, "namespace": ns, "labels": {**template["metadata"]["labels"], **labels},
                                  "node": node, "phase": "Pending", "gpus": _gpus(template), "owner": owner,
-                                 "index": index, "template": template, "reason": None, "disrupted": False}
+                                 "index": index, "template": template, "reason": None, "disrupted": False,
+                                 "exit_code": None}
 
     def pods_of(self, owner: tuple) -> list[dict]:
         return [p for p in self.pods.values() if p["owner"] == owner]
@@ -193,11 +197,13 @@ class SimCluster:
             if pod["owner"][2] == job and pod["phase"] == "Running":
                 pod["phase"] = "Succeeded"
 
-    def fail_pod(self, name: str, ns: str = "hybridflow") -> None:
-        self.pods[(ns, name)].update(phase="Failed", reason="Error")
+    def fail_pod(self, name: str, ns: str = "hybridflow", exit_code: int = 1) -> None:
+        """The pod's worker exited ``exit_code`` (75: it was preempted and checkpointed first)."""
+        self.pods[(ns, name)].update(phase="Failed", reason="Error", exit_code=exit_code)
 
-    def evict_pod(self, name: str, ns: str = "hybridflow") -> None:
-        self.pods[(ns, name)].update(phase="Failed", reason="Evicted", disrupted=True)
+    def evict_pod(self, name: str, ns: str = "hybridflow", exit_code: int | None = 75) -> None:
+        """Evicted (condition DisruptionTarget); its worker checkpointed on SIGTERM and exited ``exit_code``."""
+        self.pods[(ns, name)].update(phase="Failed", reason="Evicted", disrupted=True, exit_code=exit_code)
 
     def run(self, ticks: int = 3) -> None:
         for _ in range(ticks):
@@ -242,20 +248,10 @@ class SimCluster:
                 status["conditions"] = [{"status": "Pending", "reason": "Unschedulable"}]
                 return
             for pod_name, template, node in zip(names, templates, nodes, strict=True):
-                self._new_pod(ns, pod_name, template, node, owner, {"volcano.sh/job-name": name})
+                self._new_pod(ns, pod_name, template, node, owner, {"volcano.sh/job-name": name,
+                                                                    "volcano.sh/task-spec": pod_name.rsplit("-", 2)[1]})
             return
-        evicted = job.pop("_deleted_pods", 0) or sum(1 for p in pods if p["disrupted"])
-        failed = sum(1 for p in pods if p["phase"] == "Failed" and not p["disrupted"])
-        if evicted or failed:
-            event = "PodEvicted" if evicted else "PodFailed"
-            action = next((p["action"] for p in job["spec"].get("policies", []) if p.get("event") == event), None)
-            for pod in pods:
-                del self.pods[(ns, pod["name"])]
-            if action == "RestartJob" and status["retryCount"] < job["spec"].get("maxRetry", 3):
-                status["retryCount"] += 1
-                status["state"] = {"phase": "Restarting", "reason": event}
-            else:
-                status["state"] = {"phase": "Failed", "reason": event}
+        if self._volcano_failure(ns, job, pods):
             return
         running = sum(1 for p in pods if p["phase"] == "Running")
         succeeded = sum(1 for p in pods if p["phase"] == "Succeeded")
@@ -264,6 +260,33 @@ class SimCluster:
             status["state"] = {"phase": "Completed"}
         elif running >= job["spec"]["minAvailable"]:
             status["state"] = {"phase": "Running"}
+
+    def _volcano_failure(self, ns: str, job: dict, pods: list[dict]) -> bool:
+        """Apply the job's policies to its first evicted (deleted) or failed pod; True if one did."""
+        status = job["status"]
+        failed = [p for p in pods if p["phase"] == "Failed"]
+        if job.pop("_deleted_pods", 0):
+            event, code = "PodEvicted", None
+        elif failed:
+            first = sorted(failed, key=lambda p: (not p["disrupted"], p["name"]))[0]
+            event, code = ("PodEvicted" if first["disrupted"] else "PodFailed"), first["exit_code"]
+        else:
+            return False
+        action = policies.volcano_action(job["spec"].get("policies", []), event, code)
+        if action in ("TerminateJob", "AbortJob"):
+            for pod in pods:  # killed, keeping the pods that already ended (their exit codes stay readable)
+                if pod["phase"] in ("Pending", "Running"):
+                    del self.pods[(ns, pod["name"])]
+            status["state"] = {"phase": "Terminated" if action == "TerminateJob" else "Aborted", "reason": event}
+            return True
+        for pod in pods:
+            del self.pods[(ns, pod["name"])]
+        if action == "RestartJob" and status["retryCount"] < job["spec"].get("maxRetry", 3):
+            status["retryCount"] += 1
+            status["state"] = {"phase": "Restarting", "reason": event}
+        else:
+            status["state"] = {"phase": "Failed", "reason": event}
+        return True
 
     def _reconcile_job(self, ns: str, name: str, job: dict) -> None:
         spec, status, owner = job["spec"], job["status"], ("job", ns, name)
@@ -285,16 +308,22 @@ class SimCluster:
                 self._new_pod(ns, f"{name}-{index}-{self._gen:05d}", template, node, owner, labels, index)
             return
         for pod in self.pods_of(owner):
-            if pod["phase"] == "Failed":
-                del self.pods[(ns, pod["name"])]
-                if not pod["disrupted"]:
-                    status["failed"] = status.get("failed", 0) + 1
-                if status.get("failed", 0) > spec.get("backoffLimit", 6):
-                    for other in self.pods_of(owner):
+            if pod["phase"] != "Failed" or pod.get("counted"):
+                continue
+            pod["counted"] = True  # the failed pod stays, its exit code readable, until the Job is deleted
+            container = template["spec"]["containers"][0]["name"]
+            action, message = policies.pod_failure_action(spec.get("podFailurePolicy"), pod, container)
+            if action == "Count":
+                status["failed"] = status.get("failed", 0) + 1
+            if action == "FailJob" or status.get("failed", 0) > spec.get("backoffLimit", 6):
+                for other in self.pods_of(owner):  # active pods are deleted, ended ones kept
+                    if other["phase"] in ("Pending", "Running"):
                         del self.pods[(ns, other["name"])]
-                    status["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]
-                    status["active"] = 0
-                    return
+                reason = "PodFailurePolicy" if action == "FailJob" else "BackoffLimitExceeded"
+                status["conditions"] = [{"type": "Failed", "status": "True", "reason": reason,
+                                         "message": message or "Job has reached the specified backoff limit"}]
+                status["active"] = 0
+                return
         done = {p["index"] for p in self.pods_of(owner) if p["phase"] == "Succeeded"}
         alive = {p["index"] for p in self.pods_of(owner) if p["phase"] in ("Pending", "Running")}
         for index in range(spec["completions"]):

@@ -304,6 +304,28 @@ class FakeBatchV1Api(_Fake):
         return to_model({"status": "Success"}, "V1Status")
 
 
+def _pod_object(pod: dict) -> dict:
+    """A pod as the API server shows it: the job controllers' index annotations, the DisruptionTarget
+    condition of an evicted pod, and the exit code of a container that ended."""
+    if pod["owner"][0] == "vcjob":
+        annotations = {"volcano.sh/task-index": pod["name"].rsplit("-", 1)[1]}
+    else:
+        annotations = {"batch.kubernetes.io/job-completion-index": str(pod["index"])}
+    container = pod["template"]["spec"]["containers"][0]["name"]
+    status: dict = {"phase": pod["phase"], "reason": pod["reason"]}
+    if pod["disrupted"]:
+        status["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+    code = 0 if pod["phase"] == "Succeeded" else pod.get("exit_code")
+    if pod["phase"] in ("Succeeded", "Failed") and code is not None:
+        state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}
+        status["containerStatuses"] = [{"name": container, "image": "x", "imageID": "", "ready": False,
+                                        "restartCount": 0, "state": state}]
+    return {"metadata": {"name": pod["name"], "namespace": pod["namespace"], "labels": pod["labels"],
+                         "annotations": annotations},
+            "spec": {"nodeName": pod["node"], "containers": pod["template"]["spec"]["containers"]},
+            "status": status}
+
+
 class FakeCoreV1Api(_Fake):
     def _node(self, name: str) -> dict:
         if name not in self.sim.nodes:
@@ -336,9 +358,7 @@ class FakeCoreV1Api(_Fake):
                 continue
             if any(pod["labels"].get(k) != v for k, v in labels.items()):
                 continue
-            items.append({"metadata": {"name": pod["name"], "namespace": namespace, "labels": pod["labels"]},
-                          "spec": {"nodeName": pod["node"], "containers": pod["template"]["spec"]["containers"]},
-                          "status": {"phase": pod["phase"], "reason": pod["reason"]}})
+            items.append(_pod_object(pod))
         return to_model({"items": items}, "V1PodList")
 
     def delete_namespaced_pod(self, name, namespace, **kwargs):

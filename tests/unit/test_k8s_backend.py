@@ -11,7 +11,7 @@ import time
 import pytest
 from tests.support.k8s_sim import SimCluster, install
 
-from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend
+from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
 from hybridflow.backends.k8s.manifests import GANG_LABEL, gang_job_name
 from hybridflow.backends.k8s.trigger import GangJobTrigger
 from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
@@ -144,19 +144,61 @@ def test_eviction_restarts_the_whole_gang_away_from_the_cordoned_node(sim):
     assert not any(sim.nodes[p["node"]]["unschedulable"] for p in restarted)
 
 
-def test_failures_past_max_retry_fail_the_gang(sim):
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_an_application_failure_fails_the_gang_at_once_naming_the_rank(sim, scheduler):
+    job = _job(4)
+
+    def fail_rank():
+        sim.fail_pod(sim.pod_names(job.name)[1], exit_code=3)
+
+    clock = Clock(sim, {2: fail_rank})
+    backend = _backend(scheduler, max_retry=3)
+    with pytest.raises(GangFailed) as info:
+        _run(backend, job, clock)
+    assert not isinstance(info.value, PreemptionBudgetSpent)
+    assert info.value.rank == 1 and info.value.exit_code == 3 and "rank 1" in str(info.value)
+    assert "exited 3" in str(info.value) and clock.ticks <= 4  # no restart: the task's own retries apply
+    assert all(sim.pods[(NS, p)]["phase"] == "Failed" for p in sim.pod_names(job.name))  # nothing runs on
+    # The retry of the failed task starts the gang afresh under the same name.
+    sub = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert sub.created and sim.pod_names(job.name) == []
+
+
+def test_volcano_preemptions_restart_the_gang_until_the_budget_is_spent(sim):
     job = _job(2)
 
-    def fail_one():
-        sim.fail_pod(sim.pod_names(job.name)[0])
+    def preempt():  # every rank checkpointed on SIGTERM and exited 75
+        for pod in sim.pod_names(job.name):
+            sim.fail_pod(pod, exit_code=75)
 
-    clock = Clock(sim, {2: fail_one, 6: fail_one})
-    with pytest.raises(GangFailed, match="ended failed after 1 restarts: PodFailed"):
-        _run(_backend("volcano", max_retry=1), job, clock)
-    # The retry of the failed task starts the gang afresh under the same name.
-    backend = _backend("volcano", max_retry=1)
-    sub = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
-    assert sub.created and sim.vcjobs[(NS, job.name)]["status"]["retryCount"] == 0
+    clock = Clock(sim, {2: preempt, 6: preempt, 10: preempt})
+    with pytest.raises(PreemptionBudgetSpent, match="restarted 2 times.*training.preemption_retries"):
+        _run(_backend("volcano", max_retry=2), job, clock)
+    assert not sim.vcjobs and not sim.secrets  # stopped: it holds nothing
+
+
+def test_kueue_eviction_of_a_whole_gang_spends_only_the_preemption_budget(sim):
+    job = _job(6)
+
+    def preempt(gang=job):  # one pod evicted; every other rank checkpointed and exited 75
+        first, *rest = [p for p in sim.pod_names(gang.name) if sim.pods[(NS, p)]["phase"] == "Running"]
+        sim.evict_pod(first)
+        for pod in rest:
+            sim.fail_pod(pod, exit_code=75)
+
+    def succeed():
+        sim.succeed(job.name)
+
+    clock = Clock(sim, {3: preempt, 8: succeed, 9: succeed, 10: succeed})
+    backend = _backend("kueue", max_retry=1)
+    status = _run(backend, job, clock)
+    assert status.phase == SUCCEEDED and status.retries == 1
+    assert sim.jobs[(NS, job.name)]["status"].get("failed", 0) == 0  # backoffLimit untouched
+    job2 = _job(6, run_id="manual__2")
+    clock = Clock(sim, {3: lambda: preempt(job2), 8: lambda: preempt(job2)})
+    with pytest.raises(PreemptionBudgetSpent, match="preempted 2 times, more than the 1 restarts"):
+        _run(backend, job2, clock)
+    assert (NS, job2.name) not in sim.jobs and sim.pod_names(job2.name) == []  # stopped, GPUs free
 
 
 def test_on_kill_deletes_the_job_its_pods_and_secret(sim):
@@ -184,19 +226,12 @@ def test_kueue_job_stays_suspended_until_admitted_then_survives_an_eviction(sim)
     clock = Clock(sim, {3: admit, 6: evict, 9: lambda: sim.succeed(job.name)})
     backend = _backend("kueue")
     status = _run(backend, job, clock)
-    assert status.phase == SUCCEEDED and status.retries == 0  # eviction did not count as a failure
+    assert status.phase == SUCCEEDED and status.retries == 1  # one restart under the preemption budget
     stored = sim.jobs[(NS, job.name)]
+    assert stored["status"].get("failed", 0) == 0  # the eviction did not count towards backoffLimit
     assert stored["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "vision"
     assert stored["spec"]["suspend"] is False and (NS, job.name) in sim.services
     assert backend.cancel(job.name) and not sim.jobs and sim.pod_names(job.name) == [] and not sim.services
-
-
-def test_kueue_failures_past_backoff_limit_fail_the_gang(sim):
-    job = _job(2)
-    clock = Clock(sim, {3: lambda: sim.fail_pod(sim.pod_names(job.name)[0]),
-                        6: lambda: sim.fail_pod(sim.pod_names(job.name)[0])})
-    with pytest.raises(GangFailed, match="BackoffLimitExceeded"):
-        _run(_backend("kueue", max_retry=1), job, clock)
 
 
 def test_backend_refuses_a_cluster_it_cannot_drive():

@@ -47,8 +47,11 @@ def test_volcano_job_validates_against_the_crd_and_gangs_all_workers():
     spec = job["spec"]
     assert spec["minAvailable"] == 4 and spec["queue"] == "vision" and spec["schedulerName"] == "volcano"
     assert spec["priorityClassName"] == "hybridflow-batch"
-    assert {(p["event"], p["action"]) for p in spec["policies"]} == {("PodEvicted", "RestartJob"),
-                                                                     ("PodFailed", "RestartJob")}
+    # Volcano takes the first match: exit 75 (preempted) and eviction restart the job under maxRetry,
+    # any other failure terminates it (the task's retries apply).
+    assert spec["policies"] == [{"exitCode": 75, "action": "RestartJob"},
+                                {"event": "PodEvicted", "action": "RestartJob"},
+                                {"event": "PodFailed", "action": "TerminateJob"}]
     assert spec["maxRetry"] == 3 and set(spec["plugins"]) == {"pytorch", "svc", "env"}
     assert [(t["name"], t["replicas"]) for t in spec["tasks"]] == [("master", 1), ("worker", 3)]
     pod = spec["tasks"][1]["template"]["spec"]
@@ -100,6 +103,13 @@ def test_kueue_job_is_a_valid_suspended_indexed_batch_job():
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["WORLD_SIZE"]["value"] == "4" and env["MASTER_ADDR"]["value"].startswith(job["metadata"]["name"] + "-0.")
     assert "valueFrom" in env["RANK"]
+    # Preemption is not counted towards backoffLimit; any other failure fails the Job at once.
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [75]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "NotIn", "values": [75]}},
+    ]
+    assert pod["restartPolicy"] == "Never"  # what a podFailurePolicy requires
 
 
 @pytest.mark.parametrize("scheduler", ["volcano", "kueue"])

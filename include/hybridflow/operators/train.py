@@ -328,6 +328,7 @@ class GangTrainOperator(BaseOperator):
                     admitted=sub.status.phase not in (PENDING, MISSING), queued_since=queued_since or started,
                     max_wait_s=cfg.max_queue_wait_s, run=dict(self.run), placement=dict(job.placement),
                     request_timeout_s=backend.read_timeout_s, api_outage_s=cfg.kubernetes_api_outage_s,
+                    max_retry=backend.max_retry,
                 ),
                 method_name="execute_complete",
                 kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
@@ -372,6 +373,11 @@ class GangTrainOperator(BaseOperator):
                     f"gang {self._job_name} stopped: {frozen}. The newest checkpoint is kept in "
                     f"{job.ckpt_spec.uri}: clear the train task once the freeze is lifted to resume from it"
                 ) from exc
+        from hybridflow.backends.k8s.backend import PreemptionBudgetSpent
+
+        if isinstance(exc, PreemptionBudgetSpent) and not self._killed:  # as on the local backend: no retry
+            self._end_attempt(job, attempt, "preempted")
+            raise AirflowFailException(str(exc)) from exc
         self._end_attempt(job, attempt, "interrupted" if self._killed else "failed")
         raise exc
 

@@ -38,8 +38,10 @@ from typing import Any
 from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding, standing_in
 from hybridflow.backends.errors import GangFailed, GangNotAdmitted
 from hybridflow.backends.k8s import load as _load
+from hybridflow.backends.k8s import pods as _pods
 from hybridflow.backends.k8s.manifests import (
     GANG_LABEL,
+    PREEMPTED_EXIT,
     VOLCANO_GROUP,
     VOLCANO_PLURAL,
     VOLCANO_VERSION,
@@ -64,6 +66,13 @@ _VOLCANO_PHASES = {
 }
 
 
+APPLICATION, BUDGET_SPENT = "application", "preemption_budget"
+
+
+class PreemptionBudgetSpent(GangFailed):
+    """The gang was preempted more often than ``training.preemption_retries`` allows."""
+
+
 @dataclass(frozen=True)
 class GangStatus:
     """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
@@ -71,14 +80,15 @@ class GangStatus:
 
     phase: str
     message: str = ""
-    retries: int = 0
+    retries: int = 0  # gang restarts after a preemption so far
+    cause: str = ""  # of a failure: APPLICATION (a worker failed) or BUDGET_SPENT (preempted too often)
 
     @property
     def terminal(self) -> bool:
         return self.phase in (SUCCEEDED, FAILED, MISSING)
 
     def to_dict(self) -> dict:
-        return {"phase": self.phase, "message": self.message, "retries": self.retries}
+        return {"phase": self.phase, "message": self.message, "retries": self.retries, "cause": self.cause}
 
 
 @dataclass(frozen=True)
@@ -103,21 +113,33 @@ def make_hook(conn_id: str) -> Any:
 # --- status, shared with the trigger ------------------------------------------------------------
 
 
-def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float) -> GangStatus:
-    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job. The call
-    is bounded by ``timeout`` seconds."""
+def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float,
+                max_retry: int | None = None) -> GangStatus:
+    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job. Each call
+    is bounded by ``timeout`` seconds.
+
+    Volcano counts restarts itself (``retryCount``, bounded by the job's ``maxRetry``). A Kueue Job's
+    podFailurePolicy ignores preempted pods, so the restarts are counted here from the pods each rank
+    lost to preemption; past ``max_retry`` the gang reads as failed with cause ``BUDGET_SPENT``."""
     try:
         if scheduler == "volcano":
             obj = hook.custom_object_client.get_namespaced_custom_object(
                 group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name,
                 _request_timeout=timeout)
             return volcano_status(obj)
-        return kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace,
-                                                                     _request_timeout=timeout))
+        status = kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace,
+                                                                       _request_timeout=timeout))
     except Exception as exc:
         if _status_code(exc) == 404:
             return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
         raise
+    if status.phase not in (RUNNING, SUCCEEDED, FAILED):
+        return status
+    lost = _pods.restarts(_pods.failed_pods(hook, namespace, name, timeout=timeout))
+    if status.phase == RUNNING and max_retry is not None and lost > max_retry:
+        return GangStatus(FAILED, f"preempted {lost} times, more than the {max_retry} restarts "
+                          "training.preemption_retries allows", lost, BUDGET_SPENT)
+    return GangStatus(status.phase, status.message, lost, status.cause)
 
 
 def volcano_status(obj: Mapping) -> GangStatus:
@@ -125,7 +147,11 @@ def volcano_status(obj: Mapping) -> GangStatus:
     state = status.get("state") or {}
     phase = _VOLCANO_PHASES.get(state.get("phase") or "Pending", PENDING)
     message = "; ".join(x for x in (state.get("reason"), state.get("message")) if x)
-    return GangStatus(phase, message, int(status.get("retryCount") or 0))
+    retries = int(status.get("retryCount") or 0)
+    if state.get("phase") == "Failed":  # RestartJob (preemption, eviction) past maxRetry
+        return GangStatus(FAILED, f"restarted {retries} times, the most its maxRetry "
+                          f"(training.preemption_retries) allows; {message}", retries, BUDGET_SPENT)
+    return GangStatus(phase, message, retries, APPLICATION if phase == FAILED else "")
 
 
 def kueue_status(job: Any) -> GangStatus:
@@ -137,7 +163,7 @@ def kueue_status(job: Any) -> GangStatus:
         return GangStatus(SUCCEEDED, "", failed)
     if "Failed" in conditions or "FailureTarget" in conditions:
         cond = conditions.get("Failed") or conditions["FailureTarget"]
-        return GangStatus(FAILED, "; ".join(x for x in (cond.reason, cond.message) if x), failed)
+        return GangStatus(FAILED, "; ".join(x for x in (cond.reason, cond.message) if x), failed, APPLICATION)
     if job.spec.suspend:
         return GangStatus(PENDING, "suspended: waiting for Kueue to admit the workload", failed)
     return GangStatus(RUNNING, f"{int(status.ready or 0) if status else 0} workers ready", failed)
@@ -224,7 +250,8 @@ class KubernetesGangBackend(GangBackend):
         )
 
     def status(self, name: str) -> GangStatus:
-        return read_status(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s)
+        return read_status(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s,
+                           max_retry=self.max_retry)
 
     def submit(self, spec: GangSpec, secret_env: Mapping[str, str] | None = None) -> Submission:
         """Create the gang job, or re-attach to the one this run created before."""
@@ -300,9 +327,28 @@ class KubernetesGangBackend(GangBackend):
             raise GangNotAdmitted(
                 f"gang {name} not admitted yet on cluster {self.cluster.name} ({self.scheduler} queue; "
                 f"{self.standing(name).describe()})", cluster=self.cluster.name)
-        raise GangFailed(f"gang {name} on cluster {self.cluster.name} ended {status.phase} after "
+        where = f"gang {name} on cluster {self.cluster.name}"
+        if status.cause == BUDGET_SPENT:
+            self.delete(name)  # a Kueue Job would go on restarting it: stop it holding GPUs
+            raise PreemptionBudgetSpent(
+                f"{where} was stopped: {status.message}. Its newest checkpoint is kept: clear the train task to "
+                "resume from it, raise training.preemption_retries, or run on capacity that is not reclaimed",
+                rank=-1, exit_code=PREEMPTED_EXIT, log_tail=status.message)
+        failure = self._failed_rank(name) if status.phase == FAILED else None
+        if failure is not None:
+            raise GangFailed(f"{where} failed: rank {failure.rank} (pod {failure.pod}) exited {failure.exit_code}"
+                             f"{': ' + failure.message if failure.message else ''}", rank=failure.rank,
+                             exit_code=failure.exit_code or -1, log_tail=failure.message)
+        raise GangFailed(f"{where} ended {status.phase} after "
                          f"{status.retries} restarts: {status.message or 'no reason given'}",
                          rank=-1, exit_code=-1, log_tail=status.message)
+
+    def _failed_rank(self, name: str) -> _pods.PodEnd | None:
+        try:
+            return _pods.application_failure(_pods.failed_pods(self.hook, self.namespace, name,
+                                                                timeout=self.read_timeout_s))
+        except Exception:  # noqa: BLE001 - the job's own reason is reported instead
+            return None
 
     def on_event(self, event: Mapping[str, Any]) -> GangStatus:
         """``execute_complete``'s decision on a :class:`GangJobTrigger` event."""

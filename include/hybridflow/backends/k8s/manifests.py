@@ -25,6 +25,10 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GANG_LABEL = "hybridflow.io/gang"  # on the job and every pod: node health restarts gangs by it
 GPU_RESOURCE = "nvidia.com/gpu"
 RENDEZVOUS_PORT = 23456
+# A worker exits with this code after committing its final checkpoint on SIGTERM (preemption,
+# eviction, node drain): the gang restarts from that checkpoint under the preemption budget.
+PREEMPTED_EXIT = 75
+CONTAINER = "trainer"
 # PriorityClass per run priority; the cluster's admins create them (see priority_classes()).
 PRIORITY_CLASSES = {"critical": "hybridflow-critical", "normal": "hybridflow-normal", "batch": "hybridflow-batch"}
 PRIORITY_VALUES = {"critical": 100000, "normal": 10000, "batch": 1000}
@@ -135,7 +139,7 @@ def _labels(spec: GangSpec) -> dict[str, str]:
 
 def _container(spec: GangSpec, env: list[dict]) -> dict:
     container = {
-        "name": "trainer",
+        "name": CONTAINER,
         "image": spec.image,
         "command": list(spec.command),
         "env": [{"name": "HYBRIDFLOW_GANG", "value": spec.name},
@@ -172,8 +176,10 @@ def volcano_job(spec: GangSpec) -> dict:
     """A Volcano ``batch.volcano.sh/v1alpha1`` Job: a master and ``workers - 1`` workers, gang-admitted.
 
     The pytorch plugin sets MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, svc gives pods stable
-    hostnames, env adds VK_TASK_INDEX. An evicted or failed pod restarts the whole job (a gang
-    with a missing rank cannot make progress), at most ``max_retry`` times.
+    hostnames, env adds VK_TASK_INDEX. A preempted rank (exit ``PREEMPTED_EXIT``) or an evicted pod
+    restarts the whole job (a gang with a missing rank cannot make progress), at most ``max_retry``
+    times (the preemption budget); any other failed pod terminates the job at once, so the task's
+    own retries apply. Volcano takes the first policy that matches a pod's event or exit code.
     """
     spec.check()
     labels = _labels(spec)
@@ -194,8 +200,9 @@ def volcano_job(spec: GangSpec) -> dict:
             "queue": spec.queue,
             "priorityClassName": PRIORITY_CLASSES[spec.priority],
             "maxRetry": spec.max_retry,
-            "policies": [{"event": "PodEvicted", "action": "RestartJob"},
-                         {"event": "PodFailed", "action": "RestartJob"}],
+            "policies": [{"exitCode": PREEMPTED_EXIT, "action": "RestartJob"},
+                         {"event": "PodEvicted", "action": "RestartJob"},
+                         {"event": "PodFailed", "action": "TerminateJob"}],
             "plugins": {"pytorch": ["--master=master", "--worker=worker", f"--port={RENDEZVOUS_PORT}"],
                         "svc": [], "env": []},
             "tasks": tasks,
@@ -207,8 +214,12 @@ def kueue_job(spec: GangSpec) -> dict:
     """A Kueue-managed ``batch/v1`` Job: suspended until the team's LocalQueue admits all workers.
 
     Indexed completions give each pod its rank; the headless Service of :func:`rendezvous_service`
-    (same name) gives rank 0 a stable address. Evictions (pod condition DisruptionTarget) do not
-    count towards ``backoffLimit``: the pod is recreated and the gang carries on from its checkpoint.
+    (same name) gives rank 0 a stable address. Its podFailurePolicy tells preemption from failure:
+    a pod with condition DisruptionTarget (evicted, preempted, drained) or whose worker exited
+    ``PREEMPTED_EXIT`` is ignored (recreated, not counted towards ``backoffLimit``), and the gang
+    carries on from its checkpoint; any other non-zero exit fails the Job at once (FailJob), so the
+    task's own retries apply. The preemption budget (``max_retry`` restarts) is enforced by the
+    backend, which counts the preempted pods of each rank (:func:`~hybridflow.backends.k8s.backend.read_status`).
     """
     spec.check()
     labels = _labels(spec)
@@ -232,7 +243,13 @@ def kueue_job(spec: GangSpec) -> dict:
             "completions": spec.workers,
             "completionMode": "Indexed",
             "backoffLimit": spec.max_retry,
-            "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+            "podFailurePolicy": {"rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "Ignore", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                     "values": [PREEMPTED_EXIT]}},
+                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn",
+                                                      "values": [PREEMPTED_EXIT]}},
+            ]},
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }

@@ -56,7 +56,8 @@ class GangJobTrigger(BaseTrigger):
                  submitted_at: float, admission_timeout_s: float, poll_interval: float = 15.0,
                  admitted: bool = False, queued_since: float | None = None, max_wait_s: float | None = None,
                  run: dict | None = None, placement: dict | None = None, admitted_at: float | None = None,
-                 request_timeout_s: float = 10.0, api_outage_s: float = 300.0) -> None:
+                 request_timeout_s: float = 10.0, api_outage_s: float = 300.0,
+                 max_retry: int | None = None) -> None:
         super().__init__()
         self.conn_id = conn_id
         self.scheduler = scheduler
@@ -74,6 +75,7 @@ class GangJobTrigger(BaseTrigger):
         self.admitted_at = admitted_at
         self.request_timeout_s = request_timeout_s  # bounds each Kubernetes API call
         self.api_outage_s = api_outage_s  # how long an unreachable API is waited out
+        self.max_retry = max_retry  # the preemption budget: gang restarts allowed
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -83,7 +85,8 @@ class GangJobTrigger(BaseTrigger):
              "admission_timeout_s": self.admission_timeout_s, "poll_interval": self.poll_interval,
              "admitted": self.admitted, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
              "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at,
-             "request_timeout_s": self.request_timeout_s, "api_outage_s": self.api_outage_s},
+             "request_timeout_s": self.request_timeout_s, "api_outage_s": self.api_outage_s,
+             "max_retry": self.max_retry},
         )
 
     def _event(self, status: str, message: str, gang: dict | None = None) -> TriggerEvent:
@@ -139,7 +142,7 @@ class GangJobTrigger(BaseTrigger):
         while True:
             try:
                 return await asyncio.to_thread(read_status, hook, self.scheduler, self.namespace, self.name,
-                                               timeout=self.request_timeout_s)
+                                               timeout=self.request_timeout_s, max_retry=self.max_retry)
             except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
                 problem = misconfiguration(exc, self.conn_id, call)
                 if problem or not is_transient(exc):
