@@ -1,0 +1,118 @@
+"""The layout docs/architecture.md describes is the layout the code has: its dependency map, the
+rules on top of it, and the size limits with their listed exceptions."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.support.depmap import PACKAGE, dependency_map, render, unit_of
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "architecture.md"
+CHECKED = ("include", "dags", "plugins", "examples", "benchmarks", "scripts", "tests")
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+FOUNDATION = {"errors", "runs", "settings", "signals", "params", "gpumem", "scoring"}
+
+
+def _block(name: str) -> str:
+    text = DOC.read_text()
+    return text[text.index(f"<!-- {name}:start -->"):text.index(f"<!-- {name}:end -->")]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_the_dependency_map_in_the_doc_is_the_code_s():
+    documented = _block("depmap").split("```")[1].strip()
+    assert documented == render(dependency_map()), (
+        "docs/architecture.md's dependency map is out of date: paste the output of "
+        "`.venv/bin/python -m tests.support.depmap` between its depmap markers"
+    )
+
+
+def test_the_foundation_storage_and_validation_import_only_what_is_below_them():
+    edges = dependency_map()
+    for unit in FOUNDATION:
+        assert not edges.get(unit), f"{unit} is foundation and imports {sorted(edges[unit])}"
+    assert edges["validation"] <= {"errors"}, edges["validation"]
+    assert edges["storage"] <= {"errors", "runs"}, edges["storage"]
+
+
+def test_the_ledger_never_imports_budgets():
+    offenders = [str(p.relative_to(REPO)) for p in (PACKAGE / "ledger").rglob("*.py")
+                 if any(m == "hybridflow.budgets" or m.startswith("hybridflow.budgets.") for m in _imports(p))]
+    assert not offenders, f"the ledger imports budgets in {offenders}"
+
+
+def test_no_operator_imports_the_pipeline_module():
+    offenders = [str(p.relative_to(REPO)) for p in (PACKAGE / "operators").rglob("*.py")
+                 if {"hybridflow.pipeline"} & _imports(p) or any(
+                     isinstance(n, ast.ImportFrom) and n.module == "hybridflow"
+                     and any(a.name == "pipeline" for a in n.names)
+                     for n in ast.walk(ast.parse(p.read_text())))]
+    assert not offenders, f"operators import hybridflow.pipeline: {offenders}"
+
+
+def test_dag_files_take_from_airflow_only_the_sdk():
+    for path in sorted((REPO / "dags").glob("*.py")):
+        airflow = {m for m in _imports(path) if m == "airflow" or m.startswith("airflow.")}
+        assert airflow <= {"airflow.sdk"}, f"{path.name} imports {sorted(airflow - {'airflow.sdk'})}"
+
+
+def _exceptions() -> set[tuple[str, str | None]]:
+    """(path, function or None for the whole module) from the doc's size-exceptions table."""
+    found = set()
+    for line in _block("size-exceptions").splitlines():
+        m = re.match(r"\|\s*`([^`]+)`(?:\s*`([^`]+)`)?\s*\|", line)
+        if m:
+            found.add((m.group(1), m.group(2)))
+    return found
+
+
+def test_no_module_over_500_lines_or_function_over_80_unless_the_doc_says_why():
+    allowed, over = _exceptions(), []
+    for top in CHECKED:
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            text = path.read_text()
+            if len(text.splitlines()) > MAX_MODULE_LINES and (rel, None) not in allowed:
+                over.append(f"{rel}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text, rel)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES and (rel, node.name) not in allowed:
+                        over.append(f"{rel}: {node.name} is {length} lines")
+    assert not over, f"split these, or say why in docs/architecture.md's size exceptions: {over}"
+
+
+def test_every_listed_size_exception_is_still_needed():
+    for rel, function in _exceptions():
+        path = REPO / rel
+        assert path.exists(), f"size exception for {rel}, which is gone: drop it from the doc"
+        if function is None:
+            assert len(path.read_text().splitlines()) > MAX_MODULE_LINES, f"{rel} fits now: drop its exception"
+        else:
+            lengths = [n.end_lineno - n.lineno + 1 for n in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
+            assert lengths and max(lengths) > MAX_FUNCTION_LINES, f"{rel} {function} fits now: drop its exception"
+
+
+def test_every_unit_of_the_package_is_described_in_the_doc():
+    described = _block_before("## Dependency map")
+    units = {unit_of(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    missing = sorted(u for u in units if f"`{u}`" not in described and f"`{u}/`" not in described)
+    assert not missing, f"docs/architecture.md's package table does not describe: {missing}"
+
+
+def _block_before(heading: str) -> str:
+    text = DOC.read_text()
+    return text[text.index("## Packages and modules"):text.index(heading)]
