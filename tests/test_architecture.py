@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.support.depmap import PACKAGE, dependency_map, render, unit_of
+from tests.support.depmap import PACKAGE, dependency_map, imported_modules, render, unit_of
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
@@ -19,16 +19,6 @@ FOUNDATION = {"errors", "runs", "settings", "signals", "params", "gpumem", "scor
 def _block(name: str) -> str:
     text = DOC.read_text()
     return text[text.index(f"<!-- {name}:start -->"):text.index(f"<!-- {name}:end -->")]
-
-
-def _imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module)
-    return found
 
 
 def test_the_dependency_map_in_the_doc_is_the_code_s():
@@ -49,13 +39,13 @@ def test_the_foundation_storage_and_validation_import_only_what_is_below_them():
 
 def test_the_ledger_never_imports_budgets():
     offenders = [str(p.relative_to(REPO)) for p in (PACKAGE / "ledger").rglob("*.py")
-                 if any(m == "hybridflow.budgets" or m.startswith("hybridflow.budgets.") for m in _imports(p))]
+                 if any(m == "hybridflow.budgets" or m.startswith("hybridflow.budgets.") for m in imported_modules(p))]
     assert not offenders, f"the ledger imports budgets in {offenders}"
 
 
 def test_no_operator_imports_the_pipeline_module():
     offenders = [str(p.relative_to(REPO)) for p in (PACKAGE / "operators").rglob("*.py")
-                 if {"hybridflow.pipeline"} & _imports(p) or any(
+                 if {"hybridflow.pipeline"} & imported_modules(p) or any(
                      isinstance(n, ast.ImportFrom) and n.module == "hybridflow"
                      and any(a.name == "pipeline" for a in n.names)
                      for n in ast.walk(ast.parse(p.read_text())))]
@@ -64,7 +54,7 @@ def test_no_operator_imports_the_pipeline_module():
 
 def test_dag_files_take_from_airflow_only_the_sdk():
     for path in sorted((REPO / "dags").glob("*.py")):
-        airflow = {m for m in _imports(path) if m == "airflow" or m.startswith("airflow.")}
+        airflow = {m for m in imported_modules(path) if m == "airflow" or m.startswith("airflow.")}
         assert airflow <= {"airflow.sdk"}, f"{path.name} imports {sorted(airflow - {'airflow.sdk'})}"
 
 

@@ -7,11 +7,12 @@ so the tests run the versions the image ships."""
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
 from pathlib import Path
+
+from tests.support.depmap import imported_modules
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("include", "dags", "plugins", "examples")
@@ -43,15 +44,7 @@ def _pins(requirements: Path) -> dict[str, str]:
 
 def _imported_modules() -> set[str]:
     """Dotted names imported anywhere in the product (absolute imports only)."""
-    found = set()
-    for top in PRODUCT:
-        for path in (REPO / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    found.update(alias.name for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    found.add(node.module)
-    return found
+    return {name for top in PRODUCT for path in (REPO / top).rglob("*.py") for name in imported_modules(path)}
 
 
 def _distribution(module: str, installed: dict[str, list[str]]) -> str | None:

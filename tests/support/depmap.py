@@ -19,19 +19,19 @@ def unit_of(path: Path) -> str:
     return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
-def imported_units(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """Dotted names a file imports (absolute imports only, at any depth)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "hybridflow" and len(parts) > 1:
-                found.add(parts[1])
+            found.add(node.module)
     return found
+
+
+def imported_units(path: Path) -> set[str]:
+    return {name.split(".")[1] for name in imported_modules(path) if name.startswith("hybridflow.")}
 
 
 def dependency_map() -> dict[str, set[str]]:

@@ -16,6 +16,21 @@ def as_kubernetes(cluster: dict, *, conn_id: str, scheduler: str, **extra) -> di
     return cluster
 
 
+def private_h100_cluster(scheduler: str):
+    """``dc2-k8s``: a private kubernetes cluster (Connection ``k8s_dc2``) with one 8-GPU H100 pool."""
+    from hybridflow.config import Cluster
+
+    cluster = Cluster.model_validate({
+        "location": "private", "region": "dc-2", "backend": "kubernetes", "conn_id": "k8s_dc2",
+        "scheduler": scheduler,
+        "node_pools": [{"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
+                        "node_labels": {"hybridflow.io/pool": "h100"}}],
+        "prices": {"onprem": 1.1},
+    })
+    cluster._name = "dc2-k8s"
+    return cluster
+
+
 def kubeconfig(server: str, token: str, *, context: str = "dc2") -> dict:
     """A kubeconfig (as the kube_config extra holds it) for ``server`` with a bearer-token user."""
     return {

@@ -8,27 +8,19 @@ import asyncio
 import time
 
 import pytest
+from tests.support.k8s_config import private_h100_cluster
 from tests.support.k8s_sim import SimCluster, install
 
 from hybridflow.backends.k8s.backend import SUCCEEDED, KubernetesGangBackend
 from hybridflow.backends.k8s.trigger import GangJobTrigger
 from hybridflow.backends.local import GangJob
-from hybridflow.config import Cluster
 from hybridflow.errors import GangError
 
 NS = "hybridflow"
 
 
 def _backend(scheduler: str) -> KubernetesGangBackend:
-    cluster = Cluster.model_validate({
-        "location": "private", "region": "dc-2", "backend": "kubernetes", "conn_id": "k8s_dc2",
-        "scheduler": scheduler,
-        "node_pools": [{"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
-                        "node_labels": {"hybridflow.io/pool": "h100"}}],
-        "prices": {"onprem": 1.1},
-    })
-    cluster._name = "dc2-k8s"
-    return KubernetesGangBackend(cluster, image="registry.local/train:1", read_timeout_s=4.0)
+    return KubernetesGangBackend(private_h100_cluster(scheduler), image="registry.local/train:1", read_timeout_s=4.0)
 
 
 @pytest.fixture

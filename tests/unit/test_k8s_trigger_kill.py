@@ -11,26 +11,14 @@ import time
 
 import pytest
 from airflow.jobs.triggerer_job_runner import TriggerRunner
+from tests.support.k8s_config import private_h100_cluster
 from tests.support.k8s_sim import SimCluster, install
 
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.trigger import GangJobTrigger
 from hybridflow.backends.local import GangJob
-from hybridflow.config import Cluster
 
 NS = "hybridflow"
-
-
-def _cluster(scheduler: str) -> Cluster:
-    cluster = Cluster.model_validate({
-        "location": "private", "region": "dc-2", "backend": "kubernetes", "conn_id": "k8s_dc2",
-        "scheduler": scheduler,
-        "node_pools": [{"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
-                        "node_labels": {"hybridflow.io/pool": "h100"}}],
-        "prices": {"onprem": 1.1},
-    })
-    cluster._name = "dc2-k8s"
-    return cluster
 
 
 @pytest.fixture
@@ -41,7 +29,7 @@ def sim(monkeypatch):
 
 
 def _running_gang(sim: SimCluster, scheduler: str) -> str:
-    backend = KubernetesGangBackend(_cluster(scheduler), image="registry.local/train:1")
+    backend = KubernetesGangBackend(private_h100_cluster(scheduler), image="registry.local/train:1")
     job = GangJob(name="train-r1-0123456789", workers=4, spec={"run_key": "r1"}, env={"TOKEN": "s3cr3t"},
                   labels={"team": "vision"})
     backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)

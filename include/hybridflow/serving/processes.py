@@ -99,9 +99,7 @@ def cmdline(pid: int) -> list[str]:
 def alive(pid: int) -> bool:
     try:  # reap it if it is our child, else it lingers as a zombie that looks alive
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    except OSError:
+    except OSError:  # not our child, or already reaped
         pass
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
