@@ -63,3 +63,27 @@ class Finder(ABC):
     @abstractmethod
     def release(self, leftover: Leftover) -> None:
         """Delete or stop ``leftover``; a thing already gone is not an error."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a sweep did with one leftover: released it, or (dry-run) only listed it."""
+
+    leftover: Leftover
+    dry_run: bool
+    released: bool  # False in dry-run, or when release() failed (``error`` says why)
+    # GPU-hours the leftover had held since its owner ended (or since it was made, without an
+    # owner): what releasing it stopped from growing. 0 for things that hold no GPUs.
+    gpu_hours: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Sweep:
+    """One run of the reaper over every place."""
+
+    started: datetime
+    finished: datetime | None = None
+    releases: list[Release] = field(default_factory=list)
+    kept: int = 0  # candidates kept because their owner is alive (or could not be judged)
+    errors: dict[str, str] = field(default_factory=dict)  # place -> why it could not be swept
