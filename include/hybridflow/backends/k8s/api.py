@@ -2,8 +2,13 @@
 
 Transient: no answer at all (connection refused or reset, a timeout, a name that does not resolve)
 or an answer that says "later" (429, 500, 502, 503, 504). Misconfiguration: 401 (the Connection's
-credentials are refused) and 403 (its identity lacks an RBAC verb on a resource); the message names
-the Connection and, for 403, the verb, resource and namespace to grant.
+credentials are refused), 403 (its identity lacks an RBAC verb on a resource), and a 404 that is not
+about the object asked for: the cluster serves no such resource type (the scheduler's CRDs are not
+installed: the API server answers "404 page not found", or a Status without the object's name) or
+the namespace does not exist. The message names the Connection and what to change.
+
+A 404 Status naming the object (``details.name``) only says that object does not exist: a job
+already deleted, which callers handle as such.
 """
 
 from __future__ import annotations
@@ -54,11 +59,48 @@ def _server_message(exc: BaseException) -> str:
         return ""
 
 
+def _status_details(exc: BaseException) -> dict | None:
+    """The ``details`` of the API server's Status body; None when the body is not a Status at all
+    (e.g. the plain "404 page not found" of an API group the server does not serve)."""
+    body = getattr(exc, "body", None)
+    try:
+        doc = json.loads(body) if body else None
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("kind") != "Status":
+        return None
+    details = doc.get("details")
+    return details if isinstance(details, dict) else {}
+
+
+def missing(exc: BaseException) -> str | None:
+    """For a 404: ``"resource"`` when the cluster serves no such resource type, ``"namespace"`` when
+    the namespace does not exist, ``"object"`` when the object asked for does not exist (or the
+    answer does not say: read as before, the object is gone). None for anything but a 404."""
+    if getattr(exc, "status", None) != 404:
+        return None
+    body = getattr(exc, "body", None)
+    details = _status_details(exc)
+    if details is None:
+        return "resource" if body else "object"
+    if details.get("kind") == "namespaces":
+        return "namespace"
+    return "object" if details.get("name") else "resource"
+
+
 def misconfiguration(exc: BaseException, conn_id: str, call: Call) -> str | None:
     """What to fix when ``exc`` says the Connection cannot do ``call`` at all; None otherwise."""
     status = getattr(exc, "status", None)
     said = _server_message(exc)
     where = f" in namespace {call.namespace}" if call.namespace else ""
+    gone = missing(exc)
+    if gone == "resource":
+        return (f"the Kubernetes API of Connection {conn_id!r} serves no {call.qualified} (404 Not Found"
+                f"{': ' + said if said else ''}); install the scheduler that provides it on the cluster, or set "
+                "the cluster's scheduler in clusters.yaml to the one installed there")
+    if gone == "namespace":
+        return (f"namespace {call.namespace} does not exist on the cluster of Connection {conn_id!r} (404 Not "
+                "Found); create it, or set the cluster's namespace in clusters.yaml to one that exists")
     if status == 401:
         return (f"the Kubernetes API refused the credentials of Connection {conn_id!r} (401 Unauthorized"
                 f"{': ' + said if said else ''}); renew the token or client certificate in its kubeconfig")
