@@ -80,10 +80,13 @@ class Release:
 
 @dataclass
 class Sweep:
-    """One run of the reaper over every place."""
+    """One run of the reaper over every place. ``key`` names it for the ledger: the reaper DAG run's
+    data interval (``<start>/<end>`` ISO UTC), so a cleared and re-run sweep of the same interval
+    replaces its record instead of adding a second one ("" outside a DAG run)."""
 
     started: datetime
     finished: datetime | None = None
     releases: list[Release] = field(default_factory=list)
     kept: int = 0  # candidates kept because their owner is alive (or could not be judged)
     errors: dict[str, str] = field(default_factory=dict)  # place -> why it could not be swept
+    key: str = ""
