@@ -21,8 +21,11 @@ The event's ``gang`` holds the last :class:`~hybridflow.backends.k8s.backend.Gan
 
 A user marking the deferred task failed or success, or clearing it, cancels the wait: Airflow then
 calls :meth:`GangJobTrigger.on_kill`, which deletes the job with its pods, Secret and Service. A
-triggerer that restarts or hands the trigger to another triggerer only calls ``cleanup`` (not
-overridden): the gang keeps running and the next triggerer carries on waiting for it.
+triggerer that restarts only calls ``cleanup`` (not overridden): the gang keeps running and the next
+triggerer carries on waiting for it. Airflow 3.3's triggerer also cancels "by user action" a
+trigger that was merely handed to another triggerer (it is no longer among those assigned to this
+one), so ``on_kill`` first asks Airflow for the task's state: a task still deferred has not been
+stopped, and its gang is left alone.
 """
 
 from __future__ import annotations
@@ -166,6 +169,11 @@ class GangJobTrigger(BaseTrigger):
         (whatever is already gone is skipped). Each call is bounded by ``request_timeout_s``, well
         within the triggerer's ``[triggerer] on_kill_timeout`` (30 s by default); transient errors are
         retried for up to ``KILL_RETRY_S``."""
+        state = await self._task_state()
+        if state == "deferred":
+            self.log.info("gang %s/%s on %s left running: the task is still deferred (its wait moved to another "
+                          "triggerer)", self.namespace, self.name, self.cluster)
+            return
         hook = make_hook(self.conn_id)
         give_up, delay = time.monotonic() + KILL_RETRY_S, 0.5
         while True:
@@ -182,6 +190,26 @@ class GangJobTrigger(BaseTrigger):
                 delay *= 2
         self.log.info("gang %s/%s on %s %s: the task was stopped by a user", self.namespace, self.name,
                       self.cluster, "deleted with its pods, Secret and Service" if found else "was already gone")
+
+    async def _task_state(self) -> str | None:
+        """The deferred task's state as Airflow has it now; None when it cannot be told (no task
+        instance, or no answer): then the cancel is taken as the user's, as Airflow says it is."""
+        ti = self.task_instance
+        if ti is None:
+            return None
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+            from asgiref.sync import sync_to_async
+
+            states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+                dag_id=ti.dag_id, map_index=ti.map_index, task_ids=[ti.task_id], run_ids=[ti.run_id])
+        except Exception as exc:  # noqa: BLE001 - without an answer the user's stop is honoured
+            self.log.warning("gang %s: the task's state could not be read (%s); taking the cancel as a user's stop",
+                             self.name, exc)
+            return None
+        run = states.get(ti.run_id) or {}
+        key = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}_{ti.map_index}"
+        return run.get(key)
 
     def _room_elsewhere(self) -> str | None | bool:
         """Another eligible cluster with room now (its name), or False: keep waiting here. Without the
