@@ -1,6 +1,7 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
-allocations), how long gangs waited for admission (queue_waits). Budget state lives in the same
-database, in hybridflow.ledger.budget_tables (created by migration 0002)."""
+allocations), how long gangs waited for admission (queue_waits), what the resource reaper released
+(reaper_sweep, reaper_release). Budget state lives in the same database, in
+hybridflow.ledger.budget_tables (created by migration 0002)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,44 @@ class QueueWaitRow(Base):
     admitted_at: Mapped[datetime | None] = mapped_column(DateTime)
     wait_s: Mapped[float | None] = mapped_column(Float)  # admitted_at - queued_at; None while not admitted
     outcome: Mapped[str] = mapped_column(String(32))  # admitted, moved, gave_up, waiting
+
+
+class ReaperSweepRow(Base):
+    """One sweep of the resource reaper (hybridflow.reaper.records); times are naive UTC.
+
+    ``sweep_key`` names the sweep (e.g. its DAG run's data interval): recording a key again replaces
+    the sweep and its releases, so a re-run of the same sweep never counts twice.
+    """
+
+    __tablename__ = "reaper_sweep"
+
+    sweep_key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    kept: Mapped[int] = mapped_column(Integer, default=0)  # candidates kept: owner alive or not judged
+    errors: Mapped[str | None] = mapped_column(Text)  # JSON {place: why it could not be swept}
+    recorded_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class ReaperReleaseRow(Base):
+    """What a sweep did with one leftover: released it, or (dry-run) only listed it."""
+
+    __tablename__ = "reaper_release"
+    __table_args__ = (UniqueConstraint("sweep_key", "place", "kind", "name", name="uq_reaper_release_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sweep_key: Mapped[str] = mapped_column(String(255))
+    place: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(1024))
+    owner_dag_id: Mapped[str | None] = mapped_column(String(255))
+    owner_run_id: Mapped[str | None] = mapped_column(String(255))
+    owner_task_id: Mapped[str | None] = mapped_column(String(255))
+    owner_try: Mapped[int | None] = mapped_column(Integer)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_hours: Mapped[float] = mapped_column(Float, default=0.0)
+    since: Mapped[datetime | None] = mapped_column(DateTime)
+    reason: Mapped[str | None] = mapped_column(Text)
+    dry_run: Mapped[bool] = mapped_column(Boolean)
+    released: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text)
