@@ -8,7 +8,7 @@ from typing import get_args
 
 from hybridflow.config.base import CLUSTERS_FILE, PROJECTS_FILE
 from hybridflow.config.clusters import CheckpointPlace, Cluster, ClustersFile
-from hybridflow.config.pipeline import MeteringSettings, ServingSettings
+from hybridflow.config.pipeline import MeteringSettings, ReaperSettings, ServingSettings
 from hybridflow.config.projects import ProjectsFile
 
 # Cluster names end up in Airflow pool names, connection ids and Kubernetes labels.
@@ -242,3 +242,11 @@ def _check_metering(path: Path, metering: MeteringSettings, cf: ClustersFile) ->
                 f"{cluster.backend!r}; use 'exporters' or 'prometheus'"
             )
     return problems
+
+
+def _check_reaper(path: Path, reaper: ReaperSettings, cf: ClustersFile) -> list[str]:
+    return [
+        f"{path}: reaper.clusters.{name}: no such cluster in {CLUSTERS_FILE}; fix the name or remove the entry "
+        f"(clusters: {', '.join(sorted(cf.clusters))})"
+        for name in sorted(reaper.clusters) if name not in cf.clusters
+    ]

@@ -6,7 +6,13 @@ import threading
 from pathlib import Path
 
 from hybridflow.config.base import CLUSTERS_FILE, DATASETS_FILE, MODELS_FILE, PIPELINE_FILE, PROJECTS_FILE
-from hybridflow.config.checks import _check_clusters, _check_metering, _check_projects, _check_serving
+from hybridflow.config.checks import (
+    _check_clusters,
+    _check_metering,
+    _check_projects,
+    _check_reaper,
+    _check_serving,
+)
 from hybridflow.config.clusters import ClustersFile
 from hybridflow.config.estate import Estate
 from hybridflow.config.pipeline import PipelineConfig
@@ -65,6 +71,7 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
     problems += _check_projects(projects_path, projects_file)
     problems += _check_metering(pipeline_path, pipeline.metering, clusters_file)
     problems += _check_serving(pipeline_path, pipeline.serving, clusters_file)
+    problems += _check_reaper(pipeline_path, pipeline.reaper, clusters_file)
     if problems:
         raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
     areas = {a for c in clusters_file.clusters.values() for a in c.areas}

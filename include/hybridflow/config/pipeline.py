@@ -1,5 +1,5 @@
 """``pipeline.yaml``: pipeline-wide settings (training, admission, data, serving, placement, staging,
-metering)."""
+metering, reaper)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,31 @@ class MeteringSettings(_Model):
         return self
 
 
+class ReaperCluster(_Model):
+    """One cluster's overrides of the reaper's settings."""
+
+    dry_run: bool | None = None  # None: the reaper-wide dry_run
+
+
+class ReaperSettings(_Model):
+    """The resource_reaper DAG: what it may release, and how often it looks."""
+
+    # Its schedule: a preset ("@hourly") or cron.
+    schedule: str = Field(default="@hourly", min_length=1)
+    # Dry-run lists what would be released and changes nothing; per cluster under clusters.<name>.
+    dry_run: bool = True
+    clusters: dict[str, ReaperCluster] = Field(default_factory=dict)
+    # An unfinished multipart upload older than this many hours is abandoned.
+    multipart_max_age_h: float = Field(default=24, gt=0)
+    # A finished run's scratch folder is kept this many hours after the run ended.
+    scratch_keep_h: float = Field(default=24, ge=0)
+
+    def dry_run_for(self, place: str) -> bool:
+        """Whether the reaper only lists what it finds in ``place`` (a cluster, or a store named by its cluster)."""
+        override = self.clusters.get(place)
+        return self.dry_run if override is None or override.dry_run is None else override.dry_run
+
+
 class PipelineConfig(_Model):
     defaults: DefaultsSettings = DefaultsSettings()
     admission: AdmissionSettings = AdmissionSettings()
@@ -194,3 +219,4 @@ class PipelineConfig(_Model):
     placement: PlacementSettings = PlacementSettings()
     staging: StagingConfig = StagingConfig()
     metering: MeteringSettings = MeteringSettings()
+    reaper: ReaperSettings = ReaperSettings()
