@@ -34,6 +34,9 @@ class GangJob:
     # holds on clusters outside this machine's slot pools (Kubernetes), which count against it too.
     team_cap: int | None = None
     team_held_outside: int = 0
+    # The Airflow task the gang works for ("dag_id", "run_id", "task_id", "try_number", as strings),
+    # kept with the gang so the resource reaper can tell a gang whose run ended from a live one.
+    owner: dict[str, str] = field(default_factory=dict)
 
     @property
     def priority(self) -> str:

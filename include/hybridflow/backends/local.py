@@ -189,6 +189,10 @@ class LocalGangBackend(GangBackend):
     def _stop_path(self, job_name: str) -> Path:
         return self.job_dir(job_name) / "stop.json"
 
+    def owner_path(self, job_name: str) -> Path:
+        """The Airflow task the gang works for (``GangJob.owner``), written when it first asks for slots."""
+        return self.job_dir(job_name) / "owner.json"
+
     # -- admission ---
     def admit_step(self, job: GangJob, *, since: float | None = None, lease_s: float | None = None,
                    pid: int | None = None, preempted: set[str] | None = None,
@@ -196,6 +200,9 @@ class LocalGangBackend(GangBackend):
         """One try to admit ``job``: take its slots, or leave its ticket (keeping its place from
         ``since``); a critical gang also stops batch gangs in its way. ``lease_s`` reserves the
         slots for the task that will launch the gang (a trigger admits on its behalf)."""
+        if job.owner and _read_json(self.owner_path(job.name)) != job.owner:
+            _check_job(job)
+            _atomic_write_json(self.owner_path(job.name), dict(job.owner))
         if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
                                  team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s,
                                  team_outside=job.team_held_outside):

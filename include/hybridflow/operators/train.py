@@ -198,7 +198,7 @@ class GangTrainOperator(BaseOperator):
         from hybridflow.training.job import build_job
 
         return build_job(dict(self.run), placement, staged, RunIdentity.from_context(context), settings, estate,
-                         self.log)
+                         self.log, task_id=self.task_id)
 
     def _train_on(self, context, settings, estate, placement: dict, staged: dict,
                   queued_since: float | None = None) -> dict:
@@ -236,7 +236,7 @@ class GangTrainOperator(BaseOperator):
                 self._backend.run(
                     GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label},
                             env=job.env, attempt=label, labels=dict(job.labels), team_cap=team_cap,
-                            team_held_outside=outside),
+                            team_held_outside=outside, owner=dict(job.owner)),
                     admission_timeout_s=training_cfg.gang_admission_timeout_s,
                     log=self.log, queued_since=queued_since,
                     on_admitted=lambda waited, label=label: self._admitted_after(job, label, waited, settings),
@@ -306,7 +306,7 @@ class GangTrainOperator(BaseOperator):
         self._backend = backend
         label = f"try-{identity.try_number}"
         gang = GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label}, env=job.env,
-                       attempt=label, labels=dict(job.labels))
+                       attempt=label, labels=dict(job.labels), owner=dict(job.owner))
         queue = estate.queue_of(job.admitted.team)
         pool = job.placement["node_pool"]
         hold_for_team_cap(job.admitted, job.cluster.name, self._job_name, backend, estate, settings.state_dir,

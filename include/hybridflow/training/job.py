@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ class TrainJob:
     labels: dict
     log: Any
     task_reads_local: bool = True  # the backend's gangs write local places the task can read too
+    owner: dict = field(default_factory=dict)  # the train task it is for: GangJob.owner of its gangs
 
     def places(self) -> list:
         """The checkpoint places this task can read: a Kubernetes cluster's scratch volume is only
@@ -48,8 +49,16 @@ class TrainJob:
                 "placement": self.placement, "log": self.log}
 
 
-def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, settings, estate, log) -> TrainJob:
-    """What every gang of ``run`` on ``placement``'s cluster is given, whatever its backend."""
+def gang_owner(identity: RunIdentity, task_id: str | None) -> dict[str, str]:
+    """``GangJob.owner`` for gangs of task ``task_id`` of the run ``identity`` names."""
+    owner = {"dag_id": identity.dag_id, "run_id": identity.run_id, "try_number": str(identity.try_number)}
+    return {**owner, "task_id": task_id} if task_id else owner
+
+
+def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, settings, estate, log,
+              task_id: str | None = None) -> TrainJob:
+    """What every gang of ``run`` on ``placement``'s cluster is given, whatever its backend
+    (``task_id``: the train task's, so its gangs carry their owner)."""
     from hybridflow import rundata
     from hybridflow.admission import AdmittedRun
     from hybridflow.backends import gang_backend
@@ -97,6 +106,7 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
                 "interruptible": str(req.interruptible).lower()},
         log=log,
         task_reads_local=gang_backend(cluster, estate, settings.state_dir).reads_private_storage,
+        owner=gang_owner(identity, task_id),
     )
 
 
