@@ -5,7 +5,9 @@ Each pod's container command runs with the environment a real node would give it
 Volcano's pytorch plugin injects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``).
 Pod DNS names resolve to 127.0.0.1, on a free port per gang start. A process that exits sets its
 pod Succeeded or Failed; a pod the API deleted (job deleted, node drained) has its process stopped
-with SIGTERM, as the kubelet does.
+with SIGTERM, as the kubelet does: every such container of a pass at once (a gang's ranks stop
+together), then the kubelet waits for each to exit. ``exits`` keeps each container's exit code
+by pod name (-15: killed by SIGTERM before it could handle it).
 """
 
 from __future__ import annotations
@@ -31,20 +33,25 @@ class Kubelet:
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.ports: dict[tuple, int] = {}
         self.started: list[str] = []  # pod names, in start order
+        self.exits: dict[str, int] = {}  # pod name -> its container's exit code
 
     def step(self) -> None:
         self.sim.step()
+        stopping = []
         for key, proc in list(self.procs.items()):
             pod = self.sim.pods.get(key)
             if pod is None or pod["phase"] not in ("Running",):
                 if proc.poll() is None:  # deleted or evicted: the container gets SIGTERM
                     proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=60)
-                del self.procs[key]
+                stopping.append((key, proc))
             elif proc.poll() is not None:
                 pod.update(phase="Succeeded" if proc.returncode == 0 else "Failed",
                            reason=None if proc.returncode == 0 else "Error", exit_code=proc.returncode)
+                self.exits[key[1]] = proc.returncode
                 del self.procs[key]
+        for key, proc in stopping:
+            self.exits[key[1]] = proc.wait(timeout=60)
+            del self.procs[key]
         for owner in {p["owner"] for p in self.sim.pods.values()}:
             if not any(k for k in self.procs if self.sim.pods.get(k, {}).get("owner") == owner):
                 self.ports.pop(owner, None)  # the next start of this gang rendezvouses afresh

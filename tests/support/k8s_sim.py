@@ -7,10 +7,13 @@ TerminateJob / AbortJob keep the pods that already ended); Kueue-managed batch/v
 suspended until the whole gang fits, then Kueue unsuspends them and the Job controller keeps
 ``parallelism`` pods, applying the podFailurePolicy to each failed pod (Ignore: recreated, not
 counted; FailJob: the Job fails; no rule: counted towards ``backoffLimit``) and keeping failed pods
-with their exit codes (:mod:`tests.support.k8s_sim_policies`).
+with their exit codes (:mod:`tests.support.k8s_sim_policies`). Both schedulers admit the higher
+PriorityClass first, and preempt lower-priority gangs for a gang that does not fit as the real ones
+do (:mod:`tests.support.k8s_sim_preemption`: Volcano evicts the victims' pods, Kueue evicts their
+Workloads and suspends their Jobs, then readmits them).
 
 It is driven through the same client calls as a real API server: fakes of the kubernetes client's
-``CoreV1Api``, ``BatchV1Api`` and ``CustomObjectsApi`` methods (:mod:`tests.support.k8s_sim_api`), returning the client's own model
+``CoreV1Api``, ``BatchV1Api``, ``CustomObjectsApi`` and ``SchedulingV1Api`` methods (:mod:`tests.support.k8s_sim_api`), returning the client's own model
 objects (or dicts for custom objects) and raising ``ApiException`` with real status codes; jobs
 can be listed by label selector and patched (merge patch), and ``deleted`` keeps each deleted job
 as it was last. :func:`install` hands them out from ``KubernetesHook``'s client properties
@@ -37,6 +40,7 @@ import uuid
 from kubernetes.client.exceptions import ApiException
 from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
 from tests.support import k8s_sim_policies as policies
+from tests.support import k8s_sim_preemption as preemption
 from tests.support import k8s_sim_queues as queues
 from tests.support.k8s_sim_api import (  # noqa: F401 - crd_schema, crd_validator, to_model: for the tests
     FakeBatchV1Api,
@@ -84,7 +88,10 @@ class SimCluster:
         self._uids = 0
         self._serving = False
         self._clock = 0  # seconds since the simulated epoch: creation order is timestamp order
+        self.priority_classes = preemption.initial_classes()  # name -> scheduling.k8s.io/v1 PriorityClass
+        self.volcano_actions = list(preemption.VOLCANO_ACTIONS)  # add "preempt" for Volcano's preemption
         self.core, self.batch, self.custom = FakeCoreV1Api(self), FakeBatchV1Api(self), FakeCustomObjectsApi(self)
+        self.scheduling = preemption.FakeSchedulingV1Api(self)
 
     # --- the API server's side ----------------------------------------------------------------
 
@@ -134,10 +141,12 @@ class SimCluster:
         self.sync_queues()
 
     def add_kueue_queues(self, cluster_queue: str, gpus_quota: int, local_queues, *,
-                         flavor: str = "default-flavor") -> None:
+                         flavor: str = "default-flavor", preemption: str | None = None) -> None:
         """A ClusterQueue with ``gpus_quota`` nominal GPUs and the LocalQueues (``"namespace/name"``)
-        that submit to it."""
+        that submit to it; ``preemption``: its ``withinClusterQueue`` policy (Kueue's default: Never)."""
         self.cluster_queues[cluster_queue] = queues.cluster_queue(cluster_queue, gpus_quota, flavor)
+        if preemption:
+            self.cluster_queues[cluster_queue]["spec"]["preemption"] = {"withinClusterQueue": preemption}
         for ref in local_queues:
             ns, name = ref.split("/", 1)
             self.local_queues[(ns, name)] = queues.local_queue(ns, name, cluster_queue)
@@ -149,10 +158,11 @@ class SimCluster:
 
     # --- scheduling -----------------------------------------------------------------------------
 
-    def free_gpus(self) -> dict[str, int]:
+    def free_gpus(self, ignoring=()) -> dict[str, int]:
+        """Free GPUs per node, as if the pods of the ``ignoring`` owners were gone."""
         free = {n: v["gpus"] for n, v in self.nodes.items()}
         for pod in self.pods.values():
-            if pod["node"] and pod["phase"] in ("Pending", "Running"):
+            if pod["node"] and pod["phase"] in ("Pending", "Running") and pod["owner"] not in ignoring:
                 free[pod["node"]] -= pod["gpus"]
         return free
 
@@ -165,9 +175,11 @@ class SimCluster:
         tolerated = {t["key"] for t in spec.get("tolerations", []) if t.get("operator") == "Exists"}
         return not any(t["effect"] == "NoSchedule" and t["key"] not in tolerated for t in info["taints"])
 
-    def _place(self, templates: list[dict]) -> list[str] | None:
+    def _place(self, templates: list[dict], ignoring=()) -> list[str] | None:
         """Nodes for every template at once, or None: gang admission is all-or-nothing."""
-        free, chosen = self.free_gpus(), []
+        if any(preemption.value(self, t["spec"].get("priorityClassName")) is None for t in templates):
+            return None  # the API server refuses pods naming a PriorityClass that does not exist
+        free, chosen = self.free_gpus(ignoring), []
         for template in templates:
             need = _gpus(template)
             node = next((n for n in sorted(free) if self._fits(n, template) and free[n] >= need), None)
@@ -219,12 +231,16 @@ class SimCluster:
             elif pod["phase"] == "Pending":
                 pod["phase"] = "Running"
         # Both schedulers admit the higher priority class first, then the older job.
-        for (ns, name), job in _admission_order(self.vcjobs, lambda j: j["spec"].get("priorityClassName")):
+        for (ns, name), job in self._admission_order(self.vcjobs, lambda j: j["spec"].get("priorityClassName")):
             self._reconcile_volcano(ns, name, job)
-        for (ns, name), job in _admission_order(self.jobs, lambda j: j["spec"]["template"]["spec"].get(
+        for (ns, name), job in self._admission_order(self.jobs, lambda j: j["spec"]["template"]["spec"].get(
                 "priorityClassName")):
             self._reconcile_job(ns, name, job)
         self.sync_queues()
+
+    def _admission_order(self, jobs: dict, priority_class) -> list:
+        return sorted(jobs.items(), key=lambda item: (-(preemption.value(self, priority_class(item[1])) or 0),
+                                                      item[1]["metadata"].get("creationTimestamp", "")))
 
     def _reconcile_volcano(self, ns: str, name: str, job: dict) -> None:
         status, owner = job["status"], ("vcjob", ns, name)
@@ -246,6 +262,7 @@ class SimCluster:
             nodes = self._place(templates) if fits else None
             if nodes is None:
                 status["conditions"] = [{"status": "Pending", "reason": "Unschedulable"}]
+                preemption.volcano_preempt(self, ns, name, job, templates)  # admitted on a later pass
                 return
             for pod_name, template, node in zip(names, templates, nodes, strict=True):
                 self._new_pod(ns, pod_name, template, node, owner, {"volcano.sh/job-name": name,
@@ -294,13 +311,18 @@ class SimCluster:
             return
         template = spec["template"]
         labels = {"batch.kubernetes.io/job-name": name, "job-name": name}
+        if preemption.stop_if_evicted(self, ns, name, job):
+            return
         if spec.get("suspend"):
-            if not self.kueue_admits or not queues.kueue_quota_allows(self, ns, name):
+            if not self.kueue_admits:
                 return
-            nodes = self._place([template] * spec["parallelism"])
+            nodes = self._place([template] * spec["parallelism"]) if queues.kueue_quota_allows(self, ns, name) \
+                else None
             if nodes is None:
+                preemption.kueue_preempt(self, ns, name)  # admitted on a later pass
                 return
             queues.admit_workload(self, ns, name)
+            preemption.resumed(job)
             spec["suspend"] = False  # Kueue admitted the workload: unsuspend
             status["startTime"] = "2026-01-01T00:00:00Z"
             for index, node in enumerate(nodes):
@@ -383,9 +405,6 @@ def _forbidden(user: str, rbac: tuple[str, str, str], kwargs: dict) -> ApiExcept
     return exc
 
 
-def _admission_order(jobs: dict, priority_class) -> list:
-    return sorted(jobs.items(), key=lambda item: (-queues.PRIORITY_VALUES.get(priority_class(item[1]), 0),
-                                                  item[1]["metadata"].get("creationTimestamp", "")))
 
 
 def _gpus(template: dict) -> int:

@@ -262,7 +262,8 @@ class FakeBatchV1Api(_Fake):
         stored["status"] = {}
         self.sim.jobs[key] = stored
         if queues.KUEUE_QUEUE_LABEL in (stored["metadata"].get("labels") or {}):  # Kueue's job reconciler
-            wl = queues.new_workload(stored, stored["metadata"]["creationTimestamp"])
+            wl = queues.new_workload(stored, stored["metadata"]["creationTimestamp"],
+                                     {n: int(pc["value"]) for n, pc in self.sim.priority_classes.items()})
             self.sim.workloads[(namespace, wl["metadata"]["name"])] = wl
             self.sim.sync_queues()
         return to_model(stored, "V1Job")

@@ -12,7 +12,7 @@ Kueue: ``add_kueue_queues`` makes a ClusterQueue with a nominal GPU quota and Lo
 to it. Each Job with the ``kueue.x-k8s.io/queue-name`` label gets a Workload ``job-<job>-<hash>``
 (one PodSet ``main`` of ``parallelism`` pods, the pod template's priority class and value);
 admitting it (conditions QuotaReserved and Admitted True, ``status.admission``) needs room in the
-ClusterQueue's quota; it is Finished when the Job ends and deleted with the Job. Usage counts
+ClusterQueue's quota (evicted and admitted again: Evicted and Preempted turn False); it is Finished when the Job ends and deleted with the Job. Usage counts
 admitted, unfinished workloads, as Kueue's does.
 
 A job naming a queue that was never declared is scheduled as before queues were simulated (no
@@ -142,8 +142,9 @@ def local_queue(namespace: str, name: str, cluster_queue_name: str) -> dict:
             "spec": {"clusterQueue": cluster_queue_name}, "status": {}}
 
 
-def new_workload(job: dict, when: str) -> dict:
-    """The Workload Kueue's job reconciler makes for a batch/v1 Job with a queue-name label."""
+def new_workload(job: dict, when: str, priority_values: dict[str, int] | None = None) -> dict:
+    """The Workload Kueue's job reconciler makes for a batch/v1 Job with a queue-name label
+    (``priority_values``: the cluster's PriorityClasses, name -> value)."""
     meta, spec = job["metadata"], job["spec"]
     template = copy.deepcopy(spec["template"])
     digest = hashlib.sha256(f"{meta['name']}/{meta['uid']}/batch/v1/Job".encode()).hexdigest()[:5]
@@ -157,9 +158,10 @@ def new_workload(job: dict, when: str) -> dict:
         "status": {},
     }
     pc = template["spec"].get("priorityClassName")
-    if pc in PRIORITY_VALUES:
+    values = PRIORITY_VALUES if priority_values is None else priority_values
+    if pc in values:
         body["spec"]["priorityClassRef"] = {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": pc}
-        body["spec"]["priority"] = PRIORITY_VALUES[pc]
+        body["spec"]["priority"] = values[pc]
     return body
 
 
@@ -219,6 +221,10 @@ def admit_workload(sim, ns: str, job: str) -> None:
     when, cq = sim.now(), _cluster_queue_of(sim, ns, wl)
     _set(wl, _condition("QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq}", when))
     _set(wl, _condition("Admitted", "True", "Admitted", "The workload is admitted", when))
+    for kind in ("Evicted", "Preempted"):  # admitted again after an eviction: Kueue keeps what they said
+        old = next((c for c in wl["status"].get("conditions", []) if c["type"] == kind), None)
+        if old is not None and old["status"] == "True":
+            _set(wl, _condition(kind, "False", "QuotaReserved", f"Previously: {old['message']}", when))
     flavor = _flavor(sim.cluster_queues[cq]) if cq in sim.cluster_queues else "default-flavor"
     wl["status"]["admission"] = {
         **({"clusterQueue": cq} if cq else {}),
