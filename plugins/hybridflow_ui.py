@@ -1,18 +1,20 @@
-"""HybridFlow pages in the Airflow UI: the training runs list and GPU costs & budgets (top
-navigation) and, on every DAG run, *Placement & record* and *Cost & budget* tabs. The pages live in
-:mod:`hybridflow.ui.runs` and :mod:`hybridflow.ui.costs`."""
+"""HybridFlow pages in the Airflow UI: the training runs list, GPU costs & budgets and the resource
+reaper (top navigation) and, on every DAG run, *Placement & record* and *Cost & budget* tabs. The
+pages live in :mod:`hybridflow.ui.runs`, :mod:`hybridflow.ui.costs` and :mod:`hybridflow.ui.reaper`."""
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
 from hybridflow.ui.costs import add_cost_pages
+from hybridflow.ui.reaper import add_reaper_pages
 from hybridflow.ui.runs import create_app
 
 URL_PREFIX = "/hybridflow"
 
 app = create_app()
 add_cost_pages(app)
+add_reaper_pages(app)
 
 
 class HybridFlowUIPlugin(AirflowPlugin):
@@ -45,5 +47,12 @@ class HybridFlowUIPlugin(AirflowPlugin):
             "href": f"{URL_PREFIX}/costs/runs/{{DAG_ID}}/{{RUN_ID}}",
             "destination": "dag_run",
             "url_route": "hybridflow-run-cost",
+        },
+        {
+            "name": "Resource reaper",
+            "href": f"{URL_PREFIX}/reaper",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "hybridflow-reaper",
         },
     ]

@@ -88,11 +88,12 @@ def _summary(rows: list[dict[str, Any]], errors: dict[str, str]) -> dict[str, An
         p["released" if row["released"] else ("failed" if row["error"] else "listed")] += 1
     return {
         "released": sum(1 for r in rows if r["released"]),
-        "listed": sum(1 for r in rows if r["dry_run"] and not r["released"]),
+        "listed": sum(1 for r in rows if r["dry_run"] and not r["released"] and not r["error"]),
         "failed": sum(1 for r in rows if r["error"]),
         # Stopped: what a release really ended. Would stop: what dry-run places only listed.
         "gpu_hours_stopped": sum(r["gpu_hours"] for r in rows if r["released"]),
-        "gpu_hours_would_stop": sum(r["gpu_hours"] for r in rows if r["dry_run"] and not r["released"]),
+        "gpu_hours_would_stop": sum(r["gpu_hours"] for r in rows if r["dry_run"] and not r["released"]
+                                    and not r["error"]),
         "places": dict(sorted(places.items())),
         "errors": errors,
     }
