@@ -152,3 +152,14 @@ def test_kubernetes_deployments_off_both_tracks_and_unused_bundles_go(tmp_path):
     finder.release(found["deployment/digits-blue"])  # already gone
     assert hook.deleted == [("serving", "digits-blue")]
     assert sorted(p.name for p in (models / "digits").iterdir()) == ["v1", "v2", "v3", "v4", "v5"]
+
+
+def test_the_estate_s_local_target_is_swept_in_its_state_folder(tmp_path):
+    from hybridflow.config import load_estate
+    from hybridflow.reaper.serving import finders
+    from hybridflow.settings import REPO_ROOT
+
+    estate = load_estate(REPO_ROOT / "config")
+    built = finders(estate, SimpleNamespace(state_dir=tmp_path / "state"))
+    assert [(type(f).__name__, f.place, f.root) for f in built] == [
+        ("LocalServingFinder", "serving", (tmp_path / "state" / "serving").resolve())]

@@ -227,3 +227,19 @@ class KubernetesServingFinder(Finder):
         bundle = Path(leftover.detail["bundle"])
         if bundle.exists():
             shutil.rmtree(bundle)
+
+
+def finders(estate: Any, settings: Any, config: Any = None) -> list[Finder]:
+    """The serving finder of the estate's deploy target (``serving.target`` in pipeline.yaml): the
+    local target's state folder, reported as place ``serving``; or the inference pool's cluster,
+    namespace and models volume (the hook is made here, from the cluster's Connection)."""
+    from hybridflow.serving import target_name
+
+    serving = estate.pipeline.serving
+    if target_name(serving) == "local":
+        return [LocalServingFinder("serving", Path(settings.state_dir) / "serving")]
+    from hybridflow.backends.k8s.backend import make_hook
+
+    k8s = serving.kubernetes
+    return [KubernetesServingFinder(k8s.cluster, make_hook(estate.clusters[k8s.cluster].conn_id), k8s.namespace,
+                                    models_dir=k8s.models_dir)]
