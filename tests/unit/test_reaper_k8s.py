@@ -1,0 +1,133 @@
+"""The reaper on a Kubernetes cluster (the stateful simulator, through the provider's KubernetesHook):
+the gang job of an ended task goes with its pods, Secret and Service, a live run's gang is kept,
+a Secret left by a gang whose job is gone goes when its owner ended, a pod whose job is gone goes,
+objects without the product's gang label are never listed, and dry-run changes nothing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from tests.support import k8s_sim_api
+from tests.support.k8s_sim import SimCluster, install
+from tests.unit.test_k8s_backend import _cluster
+
+from hybridflow.backends.k8s.backend import KubernetesGangBackend
+from hybridflow.backends.k8s.manifests import GANG_LABEL, env_secret, gang_job_name
+from hybridflow.backends.local import GangJob
+from hybridflow.reaper.k8s import KubernetesGangFinder
+from hybridflow.reaper.liveness import ALIVE, ENDED
+from hybridflow.reaper.owners import owner_annotations
+from hybridflow.reaper.states import Judgement
+from hybridflow.reaper.sweep import sweep
+from hybridflow.runs import RunIdentity
+
+NS = "hybridflow"
+
+
+def _list_by_selector(store: str):
+    """Listing by label selector (existence too, as the API server does) for objects the simulator
+    keeps but does not list: Secrets, and pods by an existence selector."""
+    def call(self, namespace, label_selector=None, **kwargs):
+        if store == "secrets":
+            items = [s for (ns, _), s in sorted(self.sim.secrets.items()) if ns == namespace]
+            kind = "V1SecretList"
+        else:
+            items = [k8s_sim_api._pod_object(p) for p in self.sim.pods.values() if p["namespace"] == namespace]
+            kind = "V1PodList"
+        items = [i for i in items if k8s_sim_api._label_match(i["metadata"].get("labels") or {}, label_selector)]
+        return k8s_sim_api.to_model({"items": items}, kind)
+    return call
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    sim = SimCluster({"h100-1": {"gpus": 8, "labels": {"hybridflow.io/pool": "h100"}}})
+    install(monkeypatch, sim)
+    monkeypatch.setattr(k8s_sim_api.FakeCoreV1Api, "list_namespaced_secret", _list_by_selector("secrets"),
+                        raising=False)
+    monkeypatch.setattr(k8s_sim_api.FakeCoreV1Api, "list_namespaced_pod", _list_by_selector("pods"))
+    return sim
+
+
+class RunStates:
+    def __init__(self, verdicts):
+        self.verdicts = verdicts
+
+    def judge(self, owner):
+        return Judgement(self.verdicts[owner.run_id], None, owner.run_id)
+
+
+def _owner(run_id):
+    return {"dag_id": "hybrid_training", "run_id": run_id, "task_id": "train", "try_number": "1"}
+
+
+def _submit(sim, backend, run_id: str, *, annotate: bool = True) -> str:
+    run_key = RunIdentity("hybrid_training", run_id).run_key
+    name = gang_job_name("hybrid_training", run_id, "train", "cloud-east", readable=f"train-{run_key}")
+    job = GangJob(name=name, workers=2, spec={"run_key": run_key}, env={"AWS_SECRET_ACCESS_KEY": "x"},
+                  labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=_owner(run_id))
+    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+    if annotate:  # what the manifests carry once owner_annotations is wired into them
+        store = sim.vcjobs if backend.scheduler == "volcano" else sim.jobs
+        for obj in (store[(NS, name)], sim.secrets[(NS, f"{name}-env")]):
+            obj["metadata"]["annotations"] = owner_annotations(job.owner)
+    return name
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_gangs_of_ended_tasks_are_deleted_and_live_ones_kept(sim, scheduler):
+    cluster = _cluster(scheduler)
+    backend = KubernetesGangBackend(cluster, image="registry.local/train:1")
+    done = _submit(sim, backend, "scheduled__2026-03-01T10:00:00+00:00")
+    live = _submit(sim, backend, "manual__2026-03-01T11:00:00+00:00")
+    sim.run(3)
+    core = backend.hook.core_v1_client
+    secret = env_secret("train-gone-env", NS, {"K": "v"}, "train-gone")  # its job was deleted by hand
+    secret["metadata"]["annotations"] = owner_annotations(_owner("manual__gone"))
+    core.create_namespaced_secret(namespace=NS, body=secret)
+    core.create_namespaced_secret(namespace=NS, body=env_secret("unowned-env", NS, {"K": "v"}, "unowned"))
+    core.create_namespaced_secret(namespace=NS, body={"metadata": {"name": "not-ours"}, "stringData": {}})
+    finder = KubernetesGangFinder(cluster, timeout_s=5)
+    states = RunStates({"scheduled__2026-03-01T10:00:00+00:00": ENDED, "manual__2026-03-01T11:00:00+00:00": ALIVE,
+                        "manual__gone": ENDED})
+    now = datetime.now(UTC)
+
+    dry = sweep([finder], states, dry_run=lambda _: True, now=now, clock=lambda: now)
+    assert sorted((r.leftover.kind, r.leftover.name) for r in dry.releases) == [
+        ("gang-job", done), ("gang-secret", "train-gone-env")]
+    assert dry.kept == 2  # the live gang, and the Secret that names no owner
+    assert {r.leftover.name: r.leftover.gpus for r in dry.releases}[done] == 2
+    assert not any(c.startswith("delete") for c in sim.calls)
+
+    swept = sweep([finder], states, dry_run=lambda _: False, now=now, clock=lambda: now)
+    assert all(r.released for r in swept.releases) and len(swept.releases) == 2
+    store = sim.vcjobs if scheduler == "volcano" else sim.jobs
+    assert set(k[1] for k in store) == {live}
+    assert {p["labels"][GANG_LABEL] for p in sim.pods.values()} == {live}
+    assert set(k[1] for k in sim.secrets) == {f"{live}-env", "unowned-env", "not-ours"}
+    assert all(t for m, t in sim.requests if m.startswith(("list", "delete")))  # every call has a timeout
+    assert sweep([finder], states, dry_run=lambda _: False, now=now, clock=lambda: now).releases == []
+
+
+def test_a_pod_whose_job_is_gone_is_deleted(sim):
+    cluster = _cluster("kueue")
+    backend = KubernetesGangBackend(cluster, image="registry.local/train:1")
+    name = _submit(sim, backend, "manual__2026-03-01T09:00:00+00:00", annotate=False)
+    sim.run(3)
+    backend.hook.batch_v1_client.delete_namespaced_job(name=name, namespace=NS)  # orphans its pods
+    assert len(sim.pods) == 2
+    now = datetime.now(UTC)
+    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], RunStates({}), dry_run=lambda _: False, now=now,
+                  clock=lambda: now)
+    assert sorted(r.leftover.kind for r in swept.releases) == ["gang-pod", "gang-pod"]
+    assert all(r.released and r.leftover.gpus == 1 for r in swept.releases)
+    assert sim.pods == {} and swept.kept == 1  # its Secret names no owner: kept
+
+
+def test_an_unreachable_cluster_is_an_error_of_the_sweep(sim):
+    sim.unreachable = True
+    now = datetime.now(UTC)
+    swept = sweep([KubernetesGangFinder(_cluster("kueue"), timeout_s=5)], RunStates({}), dry_run=lambda _: False,
+                  now=now, clock=lambda: now)
+    assert swept.releases == [] and "Connection refused" in swept.errors["cloud-east"]
