@@ -19,6 +19,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+OWNER_KEYS = ("dag_id", "run_id", "task_id", "try_number")
+
+
+def owner_annotations(owner: Mapping[str, Any]) -> dict[str, str]:
+    """Kubernetes annotations naming a gang's owner (``GangJob.owner``): ``hybridflow.io/dag-id``,
+    ``run-id``, ``task-id``, ``try-number`` (label values cannot hold run ids); empty without one.
+    Read back by :func:`hybridflow.reaper.owners.owner_from_annotations`."""
+    return {f"hybridflow.io/{k.replace('_', '-')}": str(owner[k]) for k in OWNER_KEYS
+            if owner and owner.get(k) is not None}
+
 
 @dataclass(frozen=True)
 class GangJob:

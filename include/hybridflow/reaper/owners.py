@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hybridflow.backends.base import OWNER_KEYS as KEYS
+from hybridflow.backends.base import owner_annotations as _annotations
 from hybridflow.reaper.base import Owner
 
 PREFIX = "hybridflow.io/"
-KEYS = ("dag_id", "run_id", "task_id", "try_number")
 DAG_ID, RUN_ID, TASK_ID, TRY_NUMBER = (f"{PREFIX}{k.replace('_', '-')}" for k in KEYS)
 
 
@@ -38,8 +39,9 @@ def owner_from_record(record: Mapping[str, Any] | None) -> Owner | None:
 
 
 def owner_annotations(owner: Owner | Mapping[str, Any]) -> dict[str, str]:
-    """Kubernetes annotations naming ``owner`` (empty for an empty owner)."""
-    return {f"{PREFIX}{k.replace('_', '-')}": v for k, v in owner_record(owner).items()} if owner else {}
+    """Kubernetes annotations naming ``owner`` (empty for an empty owner); the backend's own
+    :func:`hybridflow.backends.base.owner_annotations`, which manifests use without importing this."""
+    return _annotations(owner_record(owner) if owner else {})
 
 
 def owner_from_annotations(annotations: Mapping[str, str] | None) -> Owner | None:
