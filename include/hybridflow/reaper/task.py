@@ -7,13 +7,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from hybridflow.errors import HybridFlowError
-
 log = logging.getLogger(__name__)
-
-
-class PlacesNotSwept(HybridFlowError):
-    """Some places could not be swept (the sweep was recorded all the same)."""
 
 
 def sweep_key(context: Any) -> str:
@@ -54,8 +48,10 @@ def record(body: dict) -> dict:
               "listed": sum(r.dry_run for r in done.releases), "failed": sum(bool(r.error) for r in done.releases),
               "kept": done.kept, "gpu_hours_stopped": round(sum(r.gpu_hours for r in done.releases if r.released), 4)}
     log.info("recorded sweep %s", counts)
-    if done.errors:
-        raise PlacesNotSwept("could not sweep " + "; ".join(f"{place}: {why}" for place, why in
+    if done.errors:  # not retried: the same sweep would be recorded again with the same errors
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException("could not sweep " + "; ".join(f"{place}: {why}" for place, why in
                                                              sorted(done.errors.items()))
                              + ". Fix the place (its Connection, its state folder) and clear the sweep task")
     return counts
