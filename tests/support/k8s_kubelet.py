@@ -6,8 +6,8 @@ Volcano's pytorch plugin injects (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MA
 Pod DNS names resolve to 127.0.0.1, on a free port per gang start. A process that exits sets its
 pod Succeeded or Failed; a pod the API deleted (job deleted, node drained) has its process stopped
 with SIGTERM, as the kubelet does: every such container of a pass at once (a gang's ranks stop
-together), then the kubelet waits for each to exit. ``exits`` keeps each container's exit code
-by pod name (-15: killed by SIGTERM before it could handle it).
+together), then the kubelet waits for each to exit. ``exits`` keeps every container's (pod name,
+exit code) as it ended (-15: killed by SIGTERM before it could handle it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Kubelet:
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.ports: dict[tuple, int] = {}
         self.started: list[str] = []  # pod names, in start order
-        self.exits: dict[str, int] = {}  # pod name -> its container's exit code
+        self.exits: list[tuple[str, int]] = []  # (pod name, exit code), in exit order
 
     def step(self) -> None:
         self.sim.step()
@@ -47,10 +47,10 @@ class Kubelet:
             elif proc.poll() is not None:
                 pod.update(phase="Succeeded" if proc.returncode == 0 else "Failed",
                            reason=None if proc.returncode == 0 else "Error", exit_code=proc.returncode)
-                self.exits[key[1]] = proc.returncode
+                self.exits.append((key[1], proc.returncode))
                 del self.procs[key]
         for key, proc in stopping:
-            self.exits[key[1]] = proc.wait(timeout=60)
+            self.exits.append((key[1], proc.wait(timeout=60)))
             del self.procs[key]
         for owner in {p["owner"] for p in self.sim.pods.values()}:
             if not any(k for k in self.procs if self.sim.pods.get(k, {}).get("owner") == owner):

@@ -119,27 +119,30 @@ def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout
     is bounded by ``timeout`` seconds.
 
     Volcano counts restarts itself (``retryCount``, bounded by the job's ``maxRetry``). A Kueue Job's
-    podFailurePolicy ignores preempted pods, so the restarts are counted here from the pods each rank
-    lost to preemption; past ``max_retry`` the gang reads as failed with cause ``BUDGET_SPENT``."""
+    podFailurePolicy ignores preempted pods, so the restarts are counted here: the pods each rank lost
+    to preemption plus the Workload's evictions (:mod:`~hybridflow.backends.k8s.pods`); past
+    ``max_retry`` the gang reads as failed with cause ``BUDGET_SPENT``, also while it waits to be
+    admitted again."""
     try:
         if scheduler == "volcano":
             obj = hook.custom_object_client.get_namespaced_custom_object(
                 group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name,
                 _request_timeout=timeout)
             return volcano_status(obj)
-        status = kueue_status(hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace,
-                                                                       _request_timeout=timeout))
+        job = hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace, _request_timeout=timeout)
     except Exception as exc:
         if _status_code(exc) == 404:
             return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
         raise
-    if status.phase not in (RUNNING, SUCCEEDED, FAILED):
+    status = kueue_status(job)
+    evicted = _pods.kueue_evictions(hook, namespace, job.metadata.uid, timeout=timeout)
+    if status.phase not in (RUNNING, SUCCEEDED, FAILED) and not evicted.count:
         return status
-    lost = _pods.restarts(_pods.failed_pods(hook, namespace, name, timeout=timeout))
-    if status.phase == RUNNING and max_retry is not None and lost > max_retry:
+    lost = _pods.restarts(_pods.failed_pods(hook, namespace, name, timeout=timeout)) + evicted.count
+    if status.phase in (PENDING, RUNNING) and max_retry is not None and lost > max_retry:
         return GangStatus(FAILED, f"preempted {lost} times, more than the {max_retry} restarts "
                           "training.preemption_retries allows", lost, BUDGET_SPENT)
-    return GangStatus(status.phase, status.message, lost, status.cause)
+    return GangStatus(status.phase, evicted.waiting or status.message, lost, status.cause)
 
 
 def volcano_status(obj: Mapping) -> GangStatus:

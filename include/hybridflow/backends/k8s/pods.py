@@ -5,6 +5,12 @@ Failed pods stay in the API until their job is deleted (the Job controller and V
 final checkpoint, or condition DisruptionTarget: evicted, preempted, drained) from an application
 failure (any other non-zero exit). A rank is the Job completion index (Kueue) or, on Volcano, 0 for
 the master and 1 + the task index for a worker (as the pytorch plugin numbers them).
+
+A Kueue eviction (preemption by a higher-priority Workload, a node failure...) leaves no failed pod:
+Kueue suspends the Job, whose controller deletes its pods without counting them as failed, and
+admits it again later. Those restarts are read from the Workload instead
+(``status.schedulingStats.evictions``), and added to the pods' own: the two never see the same
+restart, since the pods a suspension deletes are gone from the API.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.backends.k8s.load import KUEUE_GROUP, KUEUE_VERSION
 from hybridflow.backends.k8s.manifests import CONTAINER, GANG_LABEL, PREEMPTED_EXIT
 
 _INDEX = "batch.kubernetes.io/job-completion-index"
 _VOLCANO_INDEX, _VOLCANO_TASK = "volcano.sh/task-index", "volcano.sh/task-spec"
+_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label on a Job's Workload
+# Evictions that end the workload rather than restart the gang (spec.active set false).
+_NOT_RESTARTS = frozenset({"InactiveWorkload", "Deactivated"})
 
 
 @dataclass(frozen=True)
@@ -66,3 +76,40 @@ def restarts(ends: list[PodEnd]) -> int:
 def application_failure(ends: list[PodEnd]) -> PodEnd | None:
     """The rank whose worker failed (non-zero exit other than preemption), if any."""
     return next((e for e in ends if not e.preempted and e.exit_code), None)
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """How often Kueue evicted a gang's Workload (each eviction is a gang restart from its
+    checkpoint), and while it waits to be admitted again, why it was evicted."""
+
+    count: int = 0
+    waiting: str = ""
+
+
+def kueue_evictions(hook: Any, namespace: str, job_uid: str | None, *, timeout: float) -> Evictions:
+    """The evictions of the Workload of the Kueue Job with uid ``job_uid``. A cluster whose Workloads
+    cannot be read (no such CRD, or no RBAC to list them) shows none: its pods still count."""
+    if not job_uid:
+        return Evictions()
+    try:
+        listing = hook.custom_object_client.list_namespaced_custom_object(
+            group=KUEUE_GROUP, version=KUEUE_VERSION, namespace=namespace, plural="workloads",
+            label_selector=f"{_JOB_UID}={job_uid}", _request_timeout=timeout)
+    except Exception as exc:
+        if getattr(exc, "status", None) in (403, 404):
+            return Evictions()
+        raise
+    count, waiting = 0, ""
+    for wl in listing.get("items") or []:
+        status = wl.get("status") or {}
+        stats = (status.get("schedulingStats") or {}).get("evictions") or []
+        counted = sum(int(e.get("count") or 0) for e in stats if e.get("reason") not in _NOT_RESTARTS)
+        evicted = next((c for c in status.get("conditions") or []
+                        if c.get("type") == "Evicted" and c.get("status") == "True"), None)
+        if evicted is not None and evicted.get("reason") not in _NOT_RESTARTS:
+            counted = max(counted, 1)  # a Kueue without schedulingStats still shows the eviction under way
+            waiting = (f"evicted by Kueue ({evicted.get('reason')}: {evicted.get('message') or 'no message'}); "
+                       "suspended until Kueue admits it again, then it resumes from its checkpoint")
+        count += counted
+    return Evictions(count, waiting)
