@@ -1,7 +1,11 @@
 """A run's training attempts: one entry per gang launch in ``train-attempts.json`` in the run's folder
 (try, cluster, workers, gang, start, seconds, outcome and the steps it achieved), noted before the
 gang starts and again when it ends, and put in the ledger each time so GPU time is billed even for
-runs that never reach their record step."""
+runs that never reach their record step.
+
+On a Kubernetes cluster the gang scheduler restarts a preempted or evicted gang itself, within the
+same attempt (Volcano's RestartJob, Kueue's eviction and readmission): the attempt's ``preemptions``
+says how often, as the cluster counts it against ``training.preemption_retries``."""
 
 from __future__ import annotations
 
@@ -28,7 +32,12 @@ def begin_attempt(job: Any, label: str, gang: str | None, log: Any) -> dict:
 
 def end_attempt(job: Any, attempt: dict, outcome: str, log: Any) -> list[dict]:
     """Note how ``attempt`` ended and what it achieved, and bill it; every attempt of the run."""
-    attempts = finish_attempt(job.attempts_path, attempt, outcome, attempt_progress(job.places(), attempt["attempt"], log))
+    progress = attempt_progress(job.places(), attempt["attempt"], log)
+    if outcome != "not_admitted":
+        restarts = gang_preemptions(job.cluster, attempt.get("gang"), log)
+        if restarts is not None:
+            progress["preemptions"] = restarts
+    attempts = finish_attempt(job.attempts_path, attempt, outcome, progress)
     note_in_ledger(attempts, **job.bill())
     return attempts
 
@@ -56,6 +65,22 @@ def attempt_progress(places: list, label: str, log) -> dict:
             log.warning("could not list checkpoints in %s: %s", place.uri, exc)
     out["last_committed_step"] = max(committed, default=None)
     return out
+
+
+def gang_preemptions(cluster: Any, gang: str | None, log: Any, timeout_s: float = 5.0) -> int | None:
+    """How often the scheduler of a Kubernetes cluster restarted gang job ``gang`` after a preemption
+    or eviction; None for another backend, or when the job cannot be read (e.g. already deleted)."""
+    if getattr(cluster, "backend", None) != "kubernetes" or not gang:
+        return None
+    from hybridflow.backends.k8s.backend import MISSING, make_hook, read_status
+
+    try:
+        status = read_status(make_hook(cluster.conn_id), cluster.scheduler, cluster.k8s_namespace, gang,
+                             timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the attempt's own outcome is noted regardless
+        log.warning("could not read how often gang %s was preempted: %s", gang, exc)
+        return None
+    return None if status.phase == MISSING else status.retries
 
 
 def read_attempts(path: Path) -> list[dict]:
