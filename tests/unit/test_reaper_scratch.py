@@ -4,7 +4,7 @@ idempotent and nothing else under scratch is touched."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import create_engine, text
 
@@ -80,3 +80,15 @@ def test_an_unknown_verdict_keeps_the_folder_and_a_missing_scratch_has_nothing(t
     owner = lambda key: Owner(DONE.dag_id, DONE.run_id)  # noqa: E731
     assert ScratchFinder("onprem-a", scratch, lambda o: None, owner_of=owner).find(NOW) == []
     assert ScratchFinder("onprem-a", tmp_path / "nowhere", lambda o: True, owner_of=owner).find(NOW) == []
+
+
+def test_a_finished_run_s_folder_stays_for_scratch_keep_h_after_its_last_write(tmp_path):
+    scratch = tmp_path / "scratch"
+    folder = _run_folder(scratch, DONE)
+    finder = ScratchFinder("onprem-a", scratch, lambda o: True, owner_of=lambda key: Owner(DONE.dag_id, DONE.run_id),
+                           keep=timedelta(hours=24))
+    written = datetime.now(UTC)
+    assert finder.find(written + timedelta(hours=23)) == []
+    found = finder.find(written + timedelta(hours=25))
+    assert [lo.name for lo in found] == [str(folder)]
+    assert abs((found[0].since - written).total_seconds()) < 60

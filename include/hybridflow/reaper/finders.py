@@ -8,7 +8,6 @@ the sweep asks it, so its place is an error of the sweep and the other places ar
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -42,7 +41,7 @@ def finders_for(estate: Any, settings: Any, config: Any, states: Any = None) -> 
             except Exception as exc:  # noqa: BLE001 - recorded as the place's error by the sweep
                 built = [Unbuildable(name, what, exc)]
             out.extend(built)
-    out.extend(_optional("serving", estate, settings, config))
+    out.extend(_serving(estate, settings, config))
     return out
 
 
@@ -51,7 +50,7 @@ def _builders(cluster, estate, settings, config, states) -> list[tuple[str, Call
     if cluster.cache is not None:
         builders.append(("multipart upload", lambda: _uploads(cluster, config)))
     if cluster.backend == "local":  # a Kubernetes cluster's scratch is mounted in its pods only
-        builders.append(("scratch", lambda: _scratch(cluster, settings, states)))
+        builders.append(("scratch", lambda: _scratch(cluster, settings, config, states)))
     return builders
 
 
@@ -68,43 +67,27 @@ def _gang_finder(cluster, estate, settings) -> Finder:
 
 
 def _uploads(cluster, config) -> list[Finder]:
-    module = _module("uploads")
-    if module is None:
-        return []
     from hybridflow.placement.places import cache_store_spec
+    from hybridflow.reaper.uploads import MultipartUploadsFinder
 
-    return [module.MultipartUploadsFinder(cluster.name, cache_store_spec(cluster),
-                                          timedelta(hours=config.multipart_max_age_h))]
+    return [MultipartUploadsFinder(cluster.name, cache_store_spec(cluster), timedelta(hours=config.multipart_max_age_h))]
 
 
-def _scratch(cluster, settings, states) -> list[Finder]:
-    module = _module("scratch")
-    if module is None or states is None:
+def _scratch(cluster, settings, config, states) -> list[Finder]:
+    if states is None:
         return []
     from hybridflow.placement.places import scratch_root
+    from hybridflow.reaper.scratch import ScratchFinder
 
-    return [module.ScratchFinder(cluster.name, scratch_root(cluster, settings),
-                                 lambda owner: states.judge(owner).verdict == ENDED)]
+    return [ScratchFinder(cluster.name, scratch_root(cluster, settings),
+                          lambda owner: states.judge(owner).verdict == ENDED,
+                          keep=timedelta(hours=config.scratch_keep_h))]
 
 
-def _optional(name: str, estate, settings, config) -> list[Finder]:
-    """Finders of a module of this package that offers ``finders(estate, settings, config)``."""
-    module = _module(name)
-    build = getattr(module, "finders", None)
-    if build is None:
-        return []
+def _serving(estate, settings, config) -> list[Finder]:
+    from hybridflow.reaper.serving import finders
+
     try:
-        return list(build(estate, settings, config))
+        return list(finders(estate, settings, config))
     except Exception as exc:  # noqa: BLE001 - recorded as an error of the sweep
-        return [Unbuildable(name, name, exc)]
-
-
-def _module(name: str):
-    """``hybridflow.reaper.<name>``, or None when this tree has no such module."""
-    full = f"hybridflow.reaper.{name}"
-    try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as exc:
-        if exc.name != full:
-            raise
-        return None
+        return [Unbuildable("serving", "serving", exc)]

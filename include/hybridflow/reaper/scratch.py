@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -60,6 +60,17 @@ def _ours(folder: Path) -> bool:
     return True
 
 
+def _last_write(folder: Path) -> datetime:
+    """When anything in ``folder`` (the folder included) was last written."""
+    newest = folder.stat().st_mtime
+    for path in folder.rglob("*"):
+        try:
+            newest = max(newest, path.lstat().st_mtime)
+        except FileNotFoundError:
+            continue
+    return datetime.fromtimestamp(newest, UTC)
+
+
 class ScratchFinder(Finder):
     """Checkpoint folders of finished runs on one cluster's scratch filesystem.
 
@@ -68,14 +79,16 @@ class ScratchFinder(Finder):
     ``checkpoints/``, reachable from where the sweep runs); ``finished``, ``finished(owner) -> bool |
     None`` for an :class:`Owner` with only dag_id and run_id (True: the DAG run is over; False or
     None: running or unknown, kept); ``owner_of`` (optional), run key -> Owner, by default the
-    ledger's runs (:func:`ledger_owner`).
+    ledger's runs (:func:`ledger_owner`); ``keep``, how long a finished run's folder stays after
+    its last write (``reaper.scratch_keep_h``): a run cleared soon after it ended still resumes
+    from its scratch checkpoints.
     """
 
     kind = "scratch"
 
     def __init__(self, place: str, scratch_dir: Path | str, finished: Callable[[Owner], bool | None],
-                 owner_of: Callable[[str], Owner | None] | None = None) -> None:
-        self.place, self.root, self.finished = place, Path(scratch_dir), finished
+                 owner_of: Callable[[str], Owner | None] | None = None, keep: timedelta = timedelta(0)) -> None:
+        self.place, self.root, self.finished, self.keep = place, Path(scratch_dir), finished, keep
         self.owner_of = owner_of or ledger_owner()
 
     @property
@@ -89,12 +102,14 @@ class ScratchFinder(Finder):
         for folder in sorted(self.runs_dir.iterdir()):
             if not _ours(folder):
                 continue
+            last_write = _last_write(folder)
+            if now - last_write < self.keep:
+                continue
             owner = self.owner_of(folder.name)
             if owner is None or self.finished(owner) is not True:
                 continue
             found.append(Leftover(
-                self.place, self.kind, str(folder), owner=owner,
-                since=datetime.fromtimestamp(folder.stat().st_mtime, UTC),
+                self.place, self.kind, str(folder), owner=owner, since=last_write,
                 reason=f"checkpoints of {owner.dag_id} / {owner.run_id}, which has finished",
                 detail={"run_key": folder.name},
             ))
