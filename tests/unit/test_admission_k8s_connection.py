@@ -1,22 +1,22 @@
 """Admission probes the Connection of every Kubernetes cluster a run may use: a missing Connection, an
 unreadable kubeconfig, a closed port, a silent server and refused credentials are named with the
 cluster, the Connection and the fix. The run is refused when no cluster it may use is left, and
-warned about otherwise. The real kubernetes client, built by the provider's hook, does the talking."""
+warned about otherwise. The real kubernetes client, built by the provider's hook from the Connection,
+does the talking, to the cluster simulator served over HTTP (:mod:`tests.support.k8s_http`) or, below
+HTTP, to a port nothing listens on and a socket that never replies."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import socket
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 from tests.support.k8s_config import as_kubernetes, kubeconfig, kubernetes_connection
+from tests.support.k8s_http import SimApiServer, serve
+from tests.support.k8s_sim import SimCluster
 
 from hybridflow.admission import admit
 from hybridflow.config import Estate, load_estate
@@ -24,53 +24,29 @@ from hybridflow.errors import AdmissionError
 from hybridflow.settings import REPO_ROOT
 
 CLUSTER, CONN, ENV = "k8s-dc2", "k8s_dc2", "AIRFLOW_CONN_K8S_DC2"
-GOOD, READ_ONLY, STALE = "good-token-7f3a9c", "read-only-token-51be", "stale-token-90d2e4"
+GOOD, STALE = "good-token-7f3a9c", "stale-token-90d2e4"
 ONLY_K8S = {"model": "breast-cancer"}  # restricted data: private clusters only, and k8s-dc2 is the private one
 SPOT = {"interruptible": True, "spot_allowed": True}  # cloud-east's A100 spot pool may take it too
-LISTS = {"/apis/batch.volcano.sh/v1alpha1/namespaces/hybridflow/jobs": "batch.volcano.sh/v1alpha1",
-         "/apis/batch/v1/namespaces/hybridflow/jobs": "batch/v1"}
-
-
-class _ApiServer(BaseHTTPRequestHandler):
-    """The two gang-job lists of namespace hybridflow; 401 for an unknown token, 403 for the read-only one."""
-
-    seen: list[tuple[str, str]]
-
-    def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
-        path, _, query = self.path.partition("?")
-        auth = self.headers.get("Authorization", "")
-        self.seen.append((self.path, auth))
-        if auth != f"Bearer {GOOD}":
-            code = 403 if auth == f"Bearer {READ_ONLY}" else 401
-            body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code}
-        elif path in LISTS and query == "limit=1":
-            code, body = 200, {"kind": "JobList", "apiVersion": LISTS[path], "metadata": {}, "items": []}
-        else:
-            code, body = 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404}
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
+LISTS = {"volcano": "/apis/batch.volcano.sh/v1alpha1/namespaces/hybridflow/jobs",
+         "kueue": "/apis/batch/v1/namespaces/hybridflow/jobs"}
 
 
 @pytest.fixture
-def api_server() -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """(URL, requests seen as (path, Authorization)) of a small API server on loopback."""
-    seen: list[tuple[str, str]] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_ApiServer,), {"seen": seen}))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def sim() -> SimCluster:
+    return SimCluster({"a100-1": {"gpus": 8}})
+
+
+@pytest.fixture
+def api(monkeypatch, sim) -> SimApiServer:
+    """The cluster simulator behind the Kubernetes API on loopback, Connection k8s_dc2 pointing at it
+    with token GOOD (the only one it accepts)."""
+    with serve(monkeypatch, sim, CONN, token=GOOD) as server:
+        yield server
+
+
+def _seen(api: SimApiServer) -> list[tuple[str, str]]:
+    """(path?query, Authorization) of every request the API server got."""
+    return [(r.url.path_qs, r.headers.get("Authorization", "")) for r in api.handler]
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +55,7 @@ def _own_client_defaults(monkeypatch) -> None:
     from kubernetes.client import Configuration
 
     monkeypatch.setattr(Configuration, "_default", None)
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV, raising=False)  # the api fixture sets it, after this one
 
 
 @pytest.fixture
@@ -120,15 +96,12 @@ def _refused(estate: Estate, private_root: Path, params: dict) -> str:
 
 
 @pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
-def test_a_cluster_whose_api_server_answers_is_admitted(tmp_path, private_root, monkeypatch, api_server,
-                                                        scheduler) -> None:
-    url, seen = api_server
-    monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(url, GOOD)))
+def test_a_cluster_whose_api_server_answers_is_admitted(tmp_path, private_root, api, sim, scheduler) -> None:
     run = admit(ONLY_K8S, _estate(tmp_path, scheduler), private_root)
     assert run.must_stay_private
-    list_path = next(p for p, v in LISTS.items() if v == ("batch/v1" if scheduler == "kueue" else
-                                                            "batch.volcano.sh/v1alpha1"))
-    assert seen == [(f"{list_path}?limit=1", f"Bearer {GOOD}")]  # one authenticated request
+    assert _seen(api) == [(f"{LISTS[scheduler]}?limit=1", f"Bearer {GOOD}")]  # one authenticated request
+    assert [m for m, _ in sim.requests] == [
+        "list_namespaced_custom_object" if scheduler == "volcano" else "list_namespaced_job"]
 
 
 def test_a_missing_connection_refuses_the_run_naming_the_connection_and_the_fix(tmp_path, private_root) -> None:
@@ -151,63 +124,84 @@ def test_a_malformed_kubeconfig_refuses_the_run_with_the_parser_s_message(tmp_pa
     assert "/tmp" not in message  # the hook's temporary copy is no help to the reader
 
 
-def test_a_closed_port_refuses_the_run_naming_host_and_port(tmp_path, private_root, monkeypatch) -> None:
+def test_a_closed_port_refuses_the_run_naming_host_and_port(tmp_path, private_root, api, sim) -> None:
+    sim.unreachable = True  # the API server's port refuses connections
+    message = _refused(_estate(tmp_path), private_root, ONLY_K8S)
+    assert f"connection refused at 127.0.0.1:{api.port}" in message
+    assert f"check the server address in the kubeconfig of Connection {CONN}" in message
+    assert GOOD not in message and not sim.requests
+
+
+def test_a_port_nothing_listens_on_refuses_the_run_naming_host_and_port(tmp_path, private_root, monkeypatch) -> None:
     port = _closed_port()
     monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(f"http://127.0.0.1:{port}", GOOD)))
     message = _refused(_estate(tmp_path), private_root, ONLY_K8S)
-    assert f"connection refused at 127.0.0.1:{port}" in message
-    assert f"check the server address in the kubeconfig of Connection {CONN}" in message
-    assert GOOD not in message
+    assert f"cluster {CLUSTER} (Connection {CONN}): connection refused at 127.0.0.1:{port}" in message
 
 
-def test_a_server_that_never_answers_is_given_the_estate_s_read_timeout(tmp_path, private_root, monkeypatch) -> None:
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never replies
+def test_a_server_that_answers_too_late_is_given_the_estate_s_read_timeout(tmp_path, private_root, api, sim) -> None:
+    sim.api_delay_s = 3.0
+    message = _refused(_estate(tmp_path, read_timeout_s=0.3), private_root, ONLY_K8S)
+    assert f"no answer from 127.0.0.1:{api.port} within 0.3 s" in message
+    assert "placement.cluster_read_timeout_s" in message
+
+
+def test_a_server_that_never_speaks_is_given_the_estate_s_read_timeout(tmp_path, private_root, monkeypatch) -> None:
+    # Below HTTP: a socket that accepts connections (the kernel's backlog) and never replies.
+    with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         port = silent.getsockname()[1]
         monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(f"http://127.0.0.1:{port}", GOOD)))
         message = _refused(_estate(tmp_path, read_timeout_s=0.3), private_root, ONLY_K8S)
     assert f"no answer from 127.0.0.1:{port} within 0.3 s" in message
-    assert "placement.cluster_read_timeout_s" in message
 
 
-@pytest.mark.parametrize(("token", "said", "fix"), [
-    (STALE, "refused its credentials (401 Unauthorized)", f"renew the token or client certificate of the "
-                                                          f"kubeconfig's user in Connection {CONN}"),
-    (READ_ONLY, "may not list Volcano Jobs (batch.volcano.sh) in namespace hybridflow (403 Forbidden)",
-     "grant the kubeconfig's user a Role in namespace hybridflow"),
-], ids=["401", "403"])
-def test_refused_credentials_refuse_the_run_and_never_show_the_token(tmp_path, private_root, monkeypatch, caplog,
-                                                                     api_server, token, said, fix) -> None:
-    url, seen = api_server
-    monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(url, token)))
+def test_a_stale_token_refuses_the_run_and_is_never_shown(tmp_path, private_root, monkeypatch, caplog, api,
+                                                          sim) -> None:
+    monkeypatch.setenv(ENV, api.connection(token=STALE))
     with caplog.at_level(logging.DEBUG):
         message = _refused(_estate(tmp_path), private_root, ONLY_K8S)
-    assert said in message and fix in message
-    assert seen and all(auth == f"Bearer {token}" for _, auth in seen)  # it did present the token
-    assert token not in message and token not in caplog.text
+    assert "refused its credentials (401 Unauthorized)" in message
+    assert f"renew the token or client certificate of the kubeconfig's user in Connection {CONN}" in message
+    assert _seen(api) and all(auth == f"Bearer {STALE}" for _, auth in _seen(api))  # it did present the token
+    assert not sim.requests  # refused before anything else
+    assert STALE not in message and STALE not in caplog.text
 
 
-def test_a_broken_cluster_is_a_warning_when_another_cluster_may_take_the_run(tmp_path, private_root, monkeypatch,
-                                                                             caplog) -> None:
-    port = _closed_port()
-    monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(f"http://127.0.0.1:{port}", GOOD)))
+@pytest.mark.parametrize(("scheduler", "rule", "jobs"), [
+    ("volcano", ("list", "jobs", "batch.volcano.sh"), "Volcano Jobs (batch.volcano.sh)"),
+    ("kueue", ("list", "jobs", "batch"), "Jobs (batch)"),
+])
+def test_a_user_without_the_rbac_rule_refuses_the_run_naming_connection_and_rule(tmp_path, private_root, caplog,
+                                                                                  api, sim, scheduler, rule,
+                                                                                  jobs) -> None:
+    sim.forbidden.add(rule)  # the API server's 403 Status for list jobs in namespace hybridflow
+    with caplog.at_level(logging.DEBUG):
+        message = _refused(_estate(tmp_path, scheduler), private_root, ONLY_K8S)
+    assert f"cluster {CLUSTER} (Connection {CONN}): its user may not list {jobs} in namespace hybridflow " \
+           "(403 Forbidden)" in message
+    assert f"grant the kubeconfig's user a Role in namespace hybridflow to manage {jobs}" in message
+    assert _seen(api) == [(f"{LISTS[scheduler]}?limit=1", f"Bearer {GOOD}")]
+    assert GOOD not in message and GOOD not in caplog.text
+
+
+def test_a_broken_cluster_is_a_warning_when_another_cluster_may_take_the_run(tmp_path, private_root, caplog, api,
+                                                                             sim) -> None:
+    sim.unreachable = True
     with caplog.at_level(logging.WARNING, logger="hybridflow.conncheck"):
         run = admit(SPOT, _estate(tmp_path), private_root)
     assert run.spot_eligible
     warnings = [r.getMessage() for r in caplog.records if r.name == "hybridflow.conncheck"]
     assert len(warnings) == 1
-    assert f"cluster {CLUSTER} (Connection {CONN}): connection refused at 127.0.0.1:{port}" in warnings[0]
+    assert f"cluster {CLUSTER} (Connection {CONN}): connection refused at 127.0.0.1:{api.port}" in warnings[0]
     assert "Placement leaves the cluster out of this run" in warnings[0]
 
 
-def test_a_cluster_the_run_cannot_use_is_not_probed(tmp_path, private_root, monkeypatch, caplog,
-                                                     api_server) -> None:
+def test_a_cluster_the_run_cannot_use_is_not_probed(tmp_path, private_root, caplog, api, sim) -> None:
     # H100s only on cloud-east: k8s-dc2 (A100s) is never a candidate for this run, so it is not asked.
-    url, seen = api_server
-    monkeypatch.setenv(ENV, kubernetes_connection(kubeconfig(url, GOOD)))
     with caplog.at_level(logging.WARNING, logger="hybridflow.conncheck"):
         run = admit({"gpu_type": "H100-80GB"}, _estate(tmp_path), private_root)
     assert run.gpu_type == "H100-80GB"
     assert not [r for r in caplog.records if r.name == "hybridflow.conncheck"]
-    assert not seen
+    assert not _seen(api) and not sim.requests
