@@ -82,10 +82,11 @@ def status_body(code: int, message: str, reason: str | None = None) -> dict:
             "reason": reason or _REASONS.get(code, ""), "code": code}
 
 
-def route(method: str, resource, namespace: str | None, name: str | None, subresource: str | None,
-          query: dict, body, content_type: str | None) -> tuple[str, str, dict]:
-    """(which fake: core, batch or custom; its method; the method's keyword arguments) for a REST call."""
-    group, version, plural = resource.group, resource.version, resource.plural
+def route(method: str, resource: tuple[str, str, str], namespace: str | None, name: str | None,
+          subresource: str | None, query: dict, body, content_type: str | None) -> tuple[str, str, dict]:
+    """(which fake: core, batch or custom; its method; the method's keyword arguments) for a REST call
+    to ``resource`` (group, version, plural)."""
+    group, version, plural = resource
     verb = _VERBS.get(method) or ({"GET": "read", "DELETE": "delete"}[method] if name else
                                   {"GET": "list", "DELETE": "deletecollection"}[method])
     kwargs = {_snake(k): v for k, v in query.items()}
@@ -227,11 +228,18 @@ class SimApiServer:
         if self.sim.unreachable:  # arrived on a connection opened before: drop it, stop listening
             await self._listen(False)
             return _json(503, status_body(503, "unreachable"))  # never read: the connection is gone
-        if request.resource is None or not request.resource.plural:
+        resource, namespace, name = request.resource, request.namespace, request.name
+        if resource is None or resource.version is None:
+            return self._unserved(request, f"{request.method.value} {request.url.path}")
+        plural = resource.plural
+        if plural is None and namespace is not None:  # kmock reads /api/v1/namespaces/NAME as a namespace
+            plural, namespace, name = "namespaces", None, namespace
+        if plural is None:  # discovery (/api/v1, /apis/GROUP/VERSION) is not simulated
             return self._unserved(request, f"{request.method.value} {request.url.path}")
         method = request.method.value
-        api, call, kwargs = route(method, request.resource, request.namespace, request.name, request.subresource,
-                                  dict(request.params), _body(request), request.headers.get("Content-Type"))
+        api, call, kwargs = route(method, (resource.group, resource.version, plural), namespace, name,
+                                  request.subresource, dict(request.params), _body(request),
+                                  request.headers.get("Content-Type"))
         fake = getattr(self.sim, api)
         try:
             object.__getattribute__(fake, call)
