@@ -22,7 +22,7 @@ from hybridflow.backends.local import GangJob
 from hybridflow.errors import GangError
 
 NS = "hybridflow"
-SPEED = 10  # the trigger's clock runs this much faster than the wall clock (see fast_clock)
+SPEED = 20  # the trigger's clock runs this much faster than the wall clock (see fast_clock)
 
 
 def _backend(scheduler: str, read_timeout_s: float = 4.0) -> KubernetesGangBackend:
