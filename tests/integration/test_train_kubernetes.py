@@ -59,7 +59,7 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
         for queue in ("perception", "search"):
             sim.add_volcano_queue(queue)
     else:
-        sim.add_kueue_queues("teams", 4, ["hybridflow/perception", "hybridflow/search"])
+        sim.add_kueue_queues("teams", 4, ["hybridflow/perception", "hybridflow/search"], preemption="LowerPriority")
     install(monkeypatch, sim)
     kubelet = Kubelet(sim, tmp_path)
     sim.on_read = kubelet.step  # each poll of the job lets the cluster and its pods move on
@@ -218,3 +218,103 @@ def test_a_team_over_its_cap_waits_unsubmitted_and_starts_when_its_gpus_free_up(
     resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
     result = _complete(resumed, context, deferred.value, event, estate)
     assert result["cluster"] == CLUSTER and result["final_step"] == 40
+
+
+def _side_gang(name: str, priority: str, queue: str, seconds: float) -> str:
+    """Another team's gang of 2 on the cluster, whose workers run ``seconds`` and finish."""
+    from hybridflow import pipeline
+    from hybridflow.backends.k8s.backend import KubernetesGangBackend
+    from hybridflow.backends.local import GangJob
+    from hybridflow.settings import get_settings
+
+    cluster = pipeline._estate(get_settings()).clusters[CLUSTER]
+    backend = KubernetesGangBackend(cluster, image="trainer:1", command=("python", "-c", f"import time; time.sleep({seconds})"))
+    job = GangJob(name=name, workers=2, spec={}, labels={"priority": priority}, env={})
+    backend.submit(backend.gang_spec(job, pool=cluster.node_pools[0].name, queue=queue))
+    return name
+
+
+@pytest.mark.parametrize("estate", [("volcano", False), ("kueue", True)], indirect=True,
+                         ids=["volcano-blocking", "kueue-deferred"])
+def test_a_critical_gang_preempts_the_batch_gang_which_resumes_from_its_checkpoint(estate) -> None:
+    """A full cluster: a batch run's gang and a normal gang hold its 4 GPUs. A critical gang evicts the
+    batch gang (the lowest priority); its workers checkpoint and exit 75; it is restarted under its
+    preemption budget once the critical gang is done, resumes from its checkpoint and finishes."""
+    from hybridflow import pipeline
+    from hybridflow.placement.places import checkpoint_store_spec
+    from hybridflow.settings import get_settings
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    estate.sim.volcano_actions.append("preempt")
+    run, placement, _, op, context = _train_task("k8s-batch", priority="batch", interruptible=True,
+                                                 hyperparameters={"steps": 100}, checkpoint_every_steps=20)
+    assert placement["cluster"] == CLUSTER
+    normal = _side_gang("normal-gang", "normal", "search", 120)
+    ckpt = CheckpointStore(open_store(checkpoint_store_spec(
+        run["run_key"], pipeline._estate(get_settings()).clusters[CLUSTER], get_settings())))
+    critical = []
+
+    def step() -> None:
+        estate.kubelet.step()
+        if not critical and ckpt.committed_steps():
+            batch = next(j for k, j in {**estate.sim.vcjobs, **estate.sim.jobs}.items() if k[1] != normal)
+            queue = batch["spec"].get("queue") or batch["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+            critical.append("critical-gang")  # before submitting it: submitting reads jobs, which steps
+            _side_gang("critical-gang", "critical", queue, 0.5)  # in the batch gang's queue
+
+    estate.sim.on_read = step
+    result = _execute(op, context, estate)
+    assert critical, "the gang finished before its first checkpoint was seen"
+    name = result["job_name"]
+    assert result["preemptions"] == 1 and result["final_step"] == 100, estate.kubelet.logs()
+    assert result["start_step"] >= 20  # resumed from its checkpoint, not from step 0
+    assert [code for pod, code in estate.kubelet.exits if pod.startswith(name)] == [75, 75, 0, 0]
+    attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
+    assert [(a["outcome"], a["preemptions"]) for a in attempts] == [("succeeded", 1)]
+    if estate.scheduler == "volcano":
+        assert estate.sim.vcjobs[("hybridflow", name)]["status"]["retryCount"] == 1
+    else:
+        from tests.support.k8s_sim_queues import workload_of
+
+        assert estate.sim.jobs[("hybridflow", name)]["status"].get("failed", 0) == 0  # backoffLimit untouched
+        evictions = workload_of(estate.sim, "hybridflow", name)["status"]["schedulingStats"]["evictions"]
+        assert [(e["reason"], e["count"]) for e in evictions] == [("Preempted", 1)]
+    # The normal gang was never touched; the critical one ran and finished.
+    assert [p for p in estate.kubelet.started if p.startswith(normal)] == estate.sim.pod_names(normal)
+    assert all(estate.sim.pods[("hybridflow", p)]["phase"] == "Running" for p in estate.sim.pod_names(normal))
+    assert [code for pod, code in estate.kubelet.exits if pod.startswith(critical[0])] == [0, 0]
+
+
+@pytest.mark.parametrize("estate", [("volcano", False), ("kueue", True)], indirect=True,
+                         ids=["volcano-blocking", "kueue-deferred"])
+def test_an_application_error_spends_an_airflow_retry_and_no_preemption_budget(estate, monkeypatch) -> None:
+    """A training function that raises fails the Kubernetes job at once: the task raises GangFailed
+    (Airflow retries it), nothing was restarted and the attempt shows no preemption."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.backends.local import GangFailed
+    from hybridflow.settings import get_settings
+
+    models = get_settings().config_dir / "models.yaml"
+    body = yaml.safe_load(models.read_text())
+    body["models"]["team-model"] = {**body["models"]["digits-mlp"], "entrypoint": "contract_fns:raises_bad_column"}
+    body["models"]["team-model"].pop("serving")
+    models.write_text(yaml.safe_dump(body, sort_keys=False))
+    functions = REPO_ROOT / "tests" / "support" / "training_fns"
+    monkeypatch.syspath_prepend(str(functions))  # importable here (admission) and in the pods' workers
+    monkeypatch.setenv("PYTHONPATH", str(functions))
+    run, placement, _, op, context = _train_task("k8s-bug", model="team-model")
+    assert placement["cluster"] == CLUSTER
+    with pytest.raises(GangFailed) as failed:
+        _execute(op, context, estate)
+    assert not isinstance(failed.value, AirflowFailException)  # retryable: the task's own retries apply
+    assert "exited 1" in str(failed.value)
+    assert len(estate.kubelet.started) == 2  # the gang ran once: no restart
+    attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
+    assert [(a["outcome"], a["preemptions"]) for a in attempts] == [("failed", 0)]
+    [stored] = [*estate.sim.vcjobs.values(), *estate.sim.jobs.values()]
+    if estate.scheduler == "volcano":
+        assert stored["status"]["retryCount"] == 0 and stored["status"]["state"]["phase"] == "Terminated"
+    else:
+        assert [c["reason"] for c in stored["status"]["conditions"]] == ["PodFailurePolicy"]
