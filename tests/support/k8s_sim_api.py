@@ -107,7 +107,12 @@ def _check_patch(body, content_type: str) -> None:
         raise NotImplementedError(f"patch content type {content_type!r} is not simulated")
 
 def _not_found(what: str) -> ApiException:
-    return ApiException(status=404, reason=f"NotFound: {what}")
+    """The API server's 404 for a named object that does not exist: a Status naming it."""
+    exc = ApiException(status=404, reason="Not Found")
+    exc.body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                           "message": f'"{what}" not found', "reason": "NotFound", "details": {"name": what},
+                           "code": 404})
+    return exc
 
 
 class _Fake:
@@ -161,7 +166,10 @@ class FakeCustomObjectsApi(_Fake):
         found = _RESOURCES.get((group, version, plural))
         if found is None or (namespaced is not None and found[1] != namespaced):
             # A namespaced path to a cluster-scoped resource (or the reverse) is no resource either.
-            raise ApiException(status=404, reason=f"NotFound: no resource {group}/{version}/{plural}")
+            # An API group or resource the server does not serve: not even a Status, as the API server answers.
+            exc = ApiException(status=404, reason="Not Found")
+            exc.body = "404 page not found\n"
+            raise exc
         return found
 
     def _check(self, group: str, version: str, plural: str) -> None:

@@ -201,3 +201,25 @@ def test_on_kill_rides_out_a_short_outage_and_reports_a_forbidden_delete(api, si
     with pytest.raises(GangError, match="may not delete jobs.batch .*delete it by hand"):
         asyncio.run(_trigger(other, scheduler="kueue").on_kill())
     assert (NS, other) in sim.jobs
+
+
+def test_a_cluster_that_no_longer_serves_volcano_jobs_ends_the_wait_naming_the_fix(api, sim, monkeypatch):
+    from tests.support import k8s_sim_api
+
+    name = _submit(sim, "volcano")
+    # The scheduler's CRDs are gone (uninstalled, or the wrong scheduler in clusters.yaml): the API
+    # server answers its plain "404 page not found", which is not the job being gone.
+    monkeypatch.setattr(k8s_sim_api, "_RESOURCES", {k: v for k, v in k8s_sim_api._RESOURCES.items()
+                                                    if k[0] != "batch.volcano.sh"})
+    event = asyncio.run(_first_event(_trigger(name), timeout=5))
+    assert event["status"] == "error", event
+    assert "Connection 'k8s_dc2' serves no jobs.batch.volcano.sh (404 Not Found" in event["message"]
+    assert "install the scheduler" in event["message"]
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_a_deleted_job_still_reads_as_gone(api, sim, scheduler):
+    name = _submit(sim, scheduler)
+    _backend(scheduler).delete(name)
+    event = asyncio.run(_first_event(_trigger(name, scheduler=scheduler), timeout=5))
+    assert event["status"] == "failed" and "does not exist" in event["message"]

@@ -166,3 +166,27 @@ def test_bad_specs_are_refused_naming_the_field(field, value):
 def test_unknown_scheduler_is_refused():
     with pytest.raises(ManifestError, match="scheduler.*volcano or kueue"):
         gang_manifest(_spec(), "slurm")
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_the_job_its_pods_and_its_secret_name_their_owner_for_the_reaper(scheduler):
+    from hybridflow.backends.base import owner_annotations
+    from hybridflow.reaper.owners import owner_from_annotations
+
+    owner = {"dag_id": "hybrid_training", "run_id": "manual__2026-12-05T09:00:00+00:00", "task_id": "train",
+             "try_number": 2}
+    spec = _spec(annotations=owner_annotations(owner))
+    job = gang_manifest(spec, scheduler)
+    if scheduler == "volcano":
+        jsonschema.validate(job, crd_schema("volcano/batch.volcano.sh_jobs.yaml"))
+        templates = [t["template"] for t in job["spec"]["tasks"]]
+    else:
+        kubernetes_validate.validate(job, K8S, strict=True)
+        templates = [job["spec"]["template"]]
+    secret = env_secret("train-r1-env", "hybridflow", {"AWS_SECRET_ACCESS_KEY": "x"}, spec.name, spec.annotations)
+    kubernetes_validate.validate(secret, K8S, strict=True)
+    for metadata in [job["metadata"], secret["metadata"], *(t["metadata"] for t in templates)]:
+        found = owner_from_annotations(metadata["annotations"])
+        assert (found.dag_id, found.run_id, found.task_id, found.try_number) == (
+            "hybrid_training", "manual__2026-12-05T09:00:00+00:00", "train", 2)
+    assert "annotations" not in gang_manifest(_spec(), scheduler)["metadata"]  # no owner, no annotations

@@ -35,10 +35,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding, standing_in
+from hybridflow.backends.base import (
+    ClusterLoad,
+    GangBackend,
+    GangJob,
+    QueueStanding,
+    owner_annotations,
+    standing_in,
+)
 from hybridflow.backends.errors import GangFailed, GangNotAdmitted
 from hybridflow.backends.k8s import load as _load
 from hybridflow.backends.k8s import pods as _pods
+from hybridflow.backends.k8s.api import missing
 from hybridflow.backends.k8s.manifests import (
     GANG_LABEL,
     PREEMPTED_EXIT,
@@ -131,7 +139,7 @@ def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout
             return volcano_status(obj)
         job = hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace, _request_timeout=timeout)
     except Exception as exc:
-        if _status_code(exc) == 404:
+        if missing(exc) == "object":  # not a 404 for a resource type or namespace the cluster lacks
             return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
         raise
     status = kueue_status(job)
@@ -247,7 +255,7 @@ class KubernetesGangBackend(GangBackend):
             name=job.name, namespace=self.namespace, workers=job.workers, image=self.image, command=self.command,
             pool=self.cluster.pool(pool), queue=queue, priority=job.priority, gpus_per_worker=gpus_per_worker,
             max_retry=self.max_retry, labels=labels, env={SPEC_ENV: json.dumps(job.spec, sort_keys=True)},
-            env_secret=secret,
+            env_secret=secret, annotations=owner_annotations(job.owner),
             volumes=((self.cluster.scratch_claim, self.cluster.scratch_dir),) if self.cluster.scratch_claim else (),
             grace_s=self.grace_s,
         )
@@ -267,7 +275,8 @@ class KubernetesGangBackend(GangBackend):
         elif existing.phase != MISSING:
             return Submission(spec.name, self.namespace, False, existing)
         if spec.env_secret:
-            self._put_secret(env_secret(spec.env_secret, self.namespace, secret_env or {}, spec.name))
+            self._put_secret(env_secret(spec.env_secret, self.namespace, secret_env or {}, spec.name,
+                                         spec.annotations))
         try:
             if self.scheduler == "volcano":
                 self.hook.custom_object_client.create_namespaced_custom_object(

@@ -78,6 +78,8 @@ class GangSpec:
     gpus_per_worker: int = 1
     max_retry: int = 3
     labels: Mapping[str, str] = field(default_factory=dict)  # project, team, ... (hybridflow.io/<key>)
+    # Whose gang it is (backends.base.owner_annotations: DAG, run, task, try), for the reaper.
+    annotations: Mapping[str, str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)  # non-secret environment of every worker
     env_secret: str | None = None  # Secret holding the secret environment (envFrom)
     # PersistentVolumeClaims mounted in every worker: (claim name, absolute mount path).
@@ -137,6 +139,11 @@ def _labels(spec: GangSpec) -> dict[str, str]:
     return out
 
 
+def _annotations(spec: GangSpec) -> dict:
+    """``{"annotations": ...}`` for a metadata block, or nothing when the gang has no owner."""
+    return {"annotations": dict(sorted(spec.annotations.items()))} if spec.annotations else {}
+
+
 def _container(spec: GangSpec, env: list[dict]) -> dict:
     container = {
         "name": CONTAINER,
@@ -186,14 +193,14 @@ def volcano_job(spec: GangSpec) -> dict:
 
     def task(name: str, replicas: int) -> dict:
         return {"name": name, "replicas": replicas, "minAvailable": replicas,
-                "template": {"metadata": {"labels": {**labels, "hybridflow.io/role": name}},
+                "template": {"metadata": {"labels": {**labels, "hybridflow.io/role": name}, **_annotations(spec)},
                              "spec": _pod_spec(spec, [])}}
 
     tasks = [task("master", 1)] + ([task("worker", spec.workers - 1)] if spec.workers > 1 else [])
     return {
         "apiVersion": f"{VOLCANO_GROUP}/{VOLCANO_VERSION}",
         "kind": "Job",
-        "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": labels},
+        "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": labels, **_annotations(spec)},
         "spec": {
             "schedulerName": "volcano",
             "minAvailable": spec.workers,
@@ -236,7 +243,7 @@ def kueue_job(spec: GangSpec) -> dict:
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": spec.name, "namespace": spec.namespace,
-                     "labels": {**labels, KUEUE_QUEUE_LABEL: spec.queue}},
+                     "labels": {**labels, KUEUE_QUEUE_LABEL: spec.queue}, **_annotations(spec)},
         "spec": {
             "suspend": True,
             "parallelism": spec.workers,
@@ -250,7 +257,7 @@ def kueue_job(spec: GangSpec) -> dict:
                 {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn",
                                                       "values": [PREEMPTED_EXIT]}},
             ]},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
+            "template": {"metadata": {"labels": labels, **_annotations(spec)}, "spec": pod},
         },
     }
 
@@ -267,11 +274,13 @@ def rendezvous_service(spec: GangSpec) -> dict:
     }
 
 
-def env_secret(name: str, namespace: str, env: Mapping[str, str], gang: str) -> dict:
-    """The Secret holding a gang's secret environment (store credentials)."""
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": name, "namespace": namespace, "labels": {GANG_LABEL: gang}},
-            "stringData": dict(env)}
+def env_secret(name: str, namespace: str, env: Mapping[str, str], gang: str,
+               annotations: Mapping[str, str] | None = None) -> dict:
+    """The Secret holding a gang's secret environment (store credentials), annotated with the gang's owner."""
+    metadata = {"name": name, "namespace": namespace, "labels": {GANG_LABEL: gang}}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata, "stringData": dict(env)}
 
 
 def priority_classes() -> list[dict]:
