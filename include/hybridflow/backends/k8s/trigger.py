@@ -99,7 +99,8 @@ class GangJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # The provider's sync hook in a thread: the same client calls as the backend's, off the event loop.
-        hook = make_hook(self.conn_id)
+        # Kept for on_kill: building the client again (Connection, kubeconfig) takes seconds on a busy triggerer.
+        hook = self._hook = make_hook(self.conn_id)
         window_end = self.submitted_at + self.admission_timeout_s
         last_note = None
         while True:
@@ -174,7 +175,7 @@ class GangJobTrigger(BaseTrigger):
             self.log.info("gang %s/%s on %s left running: the task is still deferred (its wait moved to another "
                           "triggerer)", self.namespace, self.name, self.cluster)
             return
-        hook = make_hook(self.conn_id)
+        hook = getattr(self, "_hook", None) or make_hook(self.conn_id)
         give_up, delay = time.monotonic() + KILL_RETRY_S, 0.5
         while True:
             try:
