@@ -101,7 +101,10 @@ def training_summary(attempts: list[Mapping[str, Any]], final_step: int | None) 
         "steps_run": steps_run,
         "steps_lost": steps_lost,
         "attempts": len(attempts),
-        "preemptions": sum(1 for a in attempts if a.get("outcome") == "preempted"),
+        # A local attempt ends at each preemption; a Kubernetes gang restarts inside one attempt,
+        # which carries the restarts its cluster counted.
+        "preemptions": sum(1 for a in attempts if a.get("outcome") == "preempted")
+        + sum(int(a.get("preemptions") or 0) for a in attempts),
         "failures": sum(1 for a in attempts if a.get("outcome") in ("failed", "interrupted")),
         "attempts_without_last_step": unknown,
     }

@@ -165,3 +165,9 @@ def test_training_summary_counts_work_redone_after_a_failure():
     assert summary["steps_run"] == 180 + 70 + 150
     assert summary["steps_lost"] == 30
     assert (summary["preemptions"], summary["failures"], summary["attempts_without_last_step"]) == (1, 2, 1)
+
+
+def test_training_summary_counts_the_restarts_a_kubernetes_gang_made_inside_one_attempt():
+    # Evicted twice by Kueue and resumed each time: one attempt, two preemptions the cluster counted.
+    attempts = [{**_attempt("succeeded", 0, 300, 300), "preemptions": 2}]
+    assert training_summary(attempts, 300)["preemptions"] == 2
