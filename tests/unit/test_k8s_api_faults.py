@@ -223,3 +223,41 @@ def test_a_deleted_job_still_reads_as_gone(api, sim, scheduler):
     _backend(scheduler).delete(name)
     event = asyncio.run(_first_event(_trigger(name, scheduler=scheduler), timeout=5))
     assert event["status"] == "failed" and "does not exist" in event["message"]
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_the_blocking_wait_rides_out_an_outage_and_the_gang_finishes(api, sim, scheduler):
+    backend = KubernetesGangBackend(private_h100_cluster(scheduler), image="registry.local/train:1",
+                                    read_timeout_s=2.0, api_outage_s=30)
+    job = GangJob(name="train-r1-0123456789", workers=2, spec={"run_key": "r1"}, labels={"team": "vision"})
+    polls = []
+
+    def sleep(seconds: float) -> None:
+        polls.append(seconds)
+        with api.lock:
+            if len(polls) == 2:
+                sim.outage(1.5, status=503)  # the API server restarts while the task waits in a worker
+            if len(polls) == 8:
+                sim.succeed(job.name)
+        time.sleep(min(seconds, 0.3))
+        with api.lock:
+            sim.step()
+
+    status = backend.run(job, pool="h100", queue="vision", admission_timeout_s=60, poll_s=0.05, sleep=sleep)
+    assert status.phase == SUCCEEDED
+    assert any(s >= 0.5 for s in polls)  # it backed off while the API answered 503
+
+
+def test_the_blocking_wait_gives_up_after_the_outage_budget_naming_the_connection(api, sim):
+    backend = KubernetesGangBackend(private_h100_cluster("kueue"), image="registry.local/train:1",
+                                    read_timeout_s=2.0, api_outage_s=1.0)
+    job = GangJob(name="train-r1-0123456789", workers=2, spec={"run_key": "r1"}, labels={"team": "vision"})
+
+    def sleep(seconds: float) -> None:
+        with api.lock:
+            sim.outage(30, status=503)
+        time.sleep(min(seconds, 0.3))
+
+    with pytest.raises(GangError, match=r"Connection 'k8s_dc2'\) was unreachable for \d+ s .*kubernetes_api_outage_s"):
+        backend.run(job, pool="h100", queue="vision", admission_timeout_s=60, poll_s=0.05, sleep=sleep)
+    assert (NS, job.name) in sim.jobs  # the gang is left running: a retry re-attaches

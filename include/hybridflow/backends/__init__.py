@@ -29,6 +29,7 @@ def gang_backend(cluster: Cluster, estate: Estate, state_dir: Path, *, hook: Any
                                      grace_s=training.preemption_grace_s, hook=hook,
                                      read_timeout_s=placement.cluster_read_timeout_s,
                                      cache_s=placement.cluster_load_cache_s,
+                                     api_outage_s=training.kubernetes_api_outage_s,
                                      queue_teams={estate.queue_of(team): team for team in estate.teams})
     from hybridflow.backends.local import LocalGangBackend
 

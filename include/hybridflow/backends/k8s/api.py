@@ -9,16 +9,23 @@ the namespace does not exist. The message names the Connection and what to chang
 
 A 404 Status naming the object (``details.name``) only says that object does not exist: a job
 already deleted, which callers handle as such.
+
+:func:`ride_out` is the blocking wait's way through an outage: transient errors are retried with
+backoff for up to ``training.kubernetes_api_outage_s``, as the trigger does in the triggerer.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from hybridflow.backends.k8s.load import describe_error
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,3 +120,31 @@ def misconfiguration(exc: BaseException, conn_id: str, call: Call) -> str | None
 
 def describe(exc: BaseException) -> str:
     return describe_error(exc)
+
+
+def ride_out(read: Callable[[], T], *, conn_id: str, call: Call, what: str, outage_s: float,
+             sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+             log: Any = None) -> T:
+    """``read()``, with transient API errors retried (backoff 0.5 s doubling, at most 10 s) for up to
+    ``outage_s``; the blocking wait's form of the trigger's. A misconfiguration, an error that is not
+    transient, or an API away for longer raises :class:`GangError` naming ``what`` and the Connection."""
+    from hybridflow.errors import GangError
+
+    since, delay = None, 0.5
+    while True:
+        try:
+            return read()
+        except Exception as exc:
+            problem = misconfiguration(exc, conn_id, call)
+            if problem or not is_transient(exc):
+                raise GangError(f"could not read {what}: {problem or describe(exc)}") from exc
+            now = clock()
+            since = now if since is None else since
+            if now - since >= outage_s:
+                raise GangError(f"the Kubernetes API (Connection {conn_id!r}) was unreachable for {now - since:.0f} s "
+                                f"while waiting for {what} (training.kubernetes_api_outage_s): {describe(exc)}; "
+                                "the gang is left as it is, a retry re-attaches to it") from exc
+            if log is not None:
+                log.warning("%s: Kubernetes API not answering (%s); retrying in %.1f s", what, describe(exc), delay)
+            sleep(min(delay, max(0.0, outage_s - (now - since))))
+            delay = min(delay * 2, 10.0)

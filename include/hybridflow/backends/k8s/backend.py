@@ -46,7 +46,7 @@ from hybridflow.backends.base import (
 from hybridflow.backends.errors import GangFailed, GangNotAdmitted
 from hybridflow.backends.k8s import load as _load
 from hybridflow.backends.k8s import pods as _pods
-from hybridflow.backends.k8s.api import missing
+from hybridflow.backends.k8s.api import job_call, ride_out
 from hybridflow.backends.k8s.manifests import (
     GANG_LABEL,
     PREEMPTED_EXIT,
@@ -58,6 +58,20 @@ from hybridflow.backends.k8s.manifests import (
     gang_manifest,
     rendezvous_service,
 )
+from hybridflow.backends.k8s.status import (  # noqa: F401 - the gang's states, as the trigger and tests use them
+    APPLICATION,
+    BUDGET_SPENT,
+    FAILED,
+    MISSING,
+    PENDING,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    GangStatus,
+    kueue_status,
+    read_status,
+    volcano_status,
+)
 from hybridflow.config import Cluster
 from hybridflow.errors import GangError
 
@@ -65,38 +79,8 @@ from hybridflow.errors import GangError
 SPEC_ENV = "HYBRIDFLOW_JOB_SPEC"
 DEFAULT_COMMAND = ("python", "-m", "hybridflow.training.worker", "--spec-env", SPEC_ENV)
 
-PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
-    "pending", "running", "restarting", "succeeded", "failed", "missing")
-_VOLCANO_PHASES = {
-    "Pending": PENDING, "Running": RUNNING, "Completing": RUNNING, "Restarting": RESTARTING,
-    "Completed": SUCCEEDED, "Aborting": FAILED, "Aborted": FAILED, "Terminating": FAILED,
-    "Terminated": FAILED, "Failed": FAILED,
-}
-
-
-APPLICATION, BUDGET_SPENT = "application", "preemption_budget"
-
-
 class PreemptionBudgetSpent(GangFailed):
     """The gang was preempted more often than ``training.preemption_retries`` allows."""
-
-
-@dataclass(frozen=True)
-class GangStatus:
-    """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
-    restarting, succeeded, failed, missing."""
-
-    phase: str
-    message: str = ""
-    retries: int = 0  # gang restarts after a preemption so far
-    cause: str = ""  # of a failure: APPLICATION (a worker failed) or BUDGET_SPENT (preempted too often)
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in (SUCCEEDED, FAILED, MISSING)
-
-    def to_dict(self) -> dict:
-        return {"phase": self.phase, "message": self.message, "retries": self.retries, "cause": self.cause}
 
 
 @dataclass(frozen=True)
@@ -116,68 +100,6 @@ def make_hook(conn_id: str) -> Any:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
     return KubernetesHook(conn_id=conn_id)
-
-
-# --- status, shared with the trigger ------------------------------------------------------------
-
-
-def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float,
-                max_retry: int | None = None) -> GangStatus:
-    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job. Each call
-    is bounded by ``timeout`` seconds.
-
-    Volcano counts restarts itself (``retryCount``, bounded by the job's ``maxRetry``). A Kueue Job's
-    podFailurePolicy ignores preempted pods, so the restarts are counted here: the pods each rank lost
-    to preemption plus the Workload's evictions (:mod:`~hybridflow.backends.k8s.pods`); past
-    ``max_retry`` the gang reads as failed with cause ``BUDGET_SPENT``, also while it waits to be
-    admitted again."""
-    try:
-        if scheduler == "volcano":
-            obj = hook.custom_object_client.get_namespaced_custom_object(
-                group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name,
-                _request_timeout=timeout)
-            return volcano_status(obj)
-        job = hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace, _request_timeout=timeout)
-    except Exception as exc:
-        if missing(exc) == "object":  # not a 404 for a resource type or namespace the cluster lacks
-            return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
-        raise
-    status = kueue_status(job)
-    evicted = _pods.kueue_evictions(hook, namespace, job.metadata.uid, timeout=timeout)
-    if status.phase not in (RUNNING, SUCCEEDED, FAILED) and not evicted.count:
-        return status
-    lost = _pods.restarts(_pods.failed_pods(hook, namespace, name, timeout=timeout)) + evicted.count
-    if status.phase in (PENDING, RUNNING) and max_retry is not None and lost > max_retry:
-        return GangStatus(FAILED, f"preempted {lost} times, more than the {max_retry} restarts "
-                          "training.preemption_retries allows", lost, BUDGET_SPENT)
-    return GangStatus(status.phase, evicted.waiting or status.message, lost, status.cause)
-
-
-def volcano_status(obj: Mapping) -> GangStatus:
-    status = obj.get("status") or {}
-    state = status.get("state") or {}
-    phase = _VOLCANO_PHASES.get(state.get("phase") or "Pending", PENDING)
-    message = "; ".join(x for x in (state.get("reason"), state.get("message")) if x)
-    retries = int(status.get("retryCount") or 0)
-    if state.get("phase") == "Failed":  # RestartJob (preemption, eviction) past maxRetry
-        return GangStatus(FAILED, f"restarted {retries} times, the most its maxRetry "
-                          f"(training.preemption_retries) allows; {message}", retries, BUDGET_SPENT)
-    return GangStatus(phase, message, retries, APPLICATION if phase == FAILED else "")
-
-
-def kueue_status(job: Any) -> GangStatus:
-    """A batch/v1 Job (the client's V1Job): suspended means Kueue has not admitted it (yet, or again)."""
-    status = job.status
-    conditions = {c.type: c for c in (status.conditions or []) if c.status == "True"} if status else {}
-    failed = int(status.failed or 0) if status else 0
-    if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
-        return GangStatus(SUCCEEDED, "", failed)
-    if "Failed" in conditions or "FailureTarget" in conditions:
-        cond = conditions.get("Failed") or conditions["FailureTarget"]
-        return GangStatus(FAILED, "; ".join(x for x in (cond.reason, cond.message) if x), failed, APPLICATION)
-    if job.spec.suspend:
-        return GangStatus(PENDING, "suspended: waiting for Kueue to admit the workload", failed)
-    return GangStatus(RUNNING, f"{int(status.ready or 0) if status else 0} workers ready", failed)
 
 
 def delete_gang(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float) -> bool:
@@ -218,7 +140,8 @@ class KubernetesGangBackend(GangBackend):
 
     def __init__(self, cluster: Cluster, *, image: str, command: tuple[str, ...] = DEFAULT_COMMAND,
                  max_retry: int = 3, grace_s: float = 30, hook: Any = None, read_timeout_s: float = 5.0,
-                 cache_s: float = 5.0, queue_teams: Mapping[str, str] | None = None) -> None:
+                 cache_s: float = 5.0, queue_teams: Mapping[str, str] | None = None,
+                 api_outage_s: float = 300.0) -> None:
         if cluster.backend != "kubernetes":
             raise GangError(f"cluster {cluster.name!r} uses backend {cluster.backend!r}; the Kubernetes backend "
                             "needs clusters.<name>.backend: kubernetes")
@@ -229,6 +152,7 @@ class KubernetesGangBackend(GangBackend):
         self.cluster_name = cluster.name
         self.namespace = cluster.k8s_namespace
         self.read_timeout_s = read_timeout_s
+        self.api_outage_s = api_outage_s  # how long the blocking wait rides out an unreachable API
         self.cache_s = cache_s
         self.queue_teams = dict(queue_teams) if queue_teams is not None else None
         self.scheduler = cluster.scheduler
@@ -390,7 +314,9 @@ class KubernetesGangBackend(GangBackend):
             if status.terminal or (status.phase == PENDING and not admitted and clock() >= deadline):
                 return self.outcome(sub.name, status, admitted=admitted)
             sleep(poll_s)
-            status = self.status(sub.name)
+            status = ride_out(lambda: self.status(sub.name), conn_id=str(self.cluster.conn_id), sleep=sleep,
+                              call=job_call("get", self.scheduler, self.namespace), what=f"gang {sub.name}",
+                              outage_s=self.api_outage_s, clock=clock, log=log)
 
     # --- budget freeze: find gangs by label and stop them -----------------------------------------
 
