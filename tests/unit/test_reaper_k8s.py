@@ -62,16 +62,15 @@ def _owner(run_id):
     return {"dag_id": "hybrid_training", "run_id": run_id, "task_id": "train", "try_number": "1"}
 
 
-def _submit(sim, backend, run_id: str, *, annotate: bool = True) -> str:
+def _submit(sim, backend, run_id: str) -> str:
     run_key = RunIdentity("hybrid_training", run_id).run_key
     name = gang_job_name("hybrid_training", run_id, "train", "cloud-east", readable=f"train-{run_key}")
     job = GangJob(name=name, workers=2, spec={"run_key": run_key}, env={"AWS_SECRET_ACCESS_KEY": "x"},
                   labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=_owner(run_id))
     backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
-    if annotate:  # what the manifests carry once owner_annotations is wired into them
-        store = sim.vcjobs if backend.scheduler == "volcano" else sim.jobs
-        for obj in (store[(NS, name)], sim.secrets[(NS, f"{name}-env")]):
-            obj["metadata"]["annotations"] = owner_annotations(job.owner)
+    store = sim.vcjobs if backend.scheduler == "volcano" else sim.jobs
+    for obj in (store[(NS, name)], sim.secrets[(NS, f"{name}-env")]):  # as the backend annotates them
+        assert obj["metadata"]["annotations"] == owner_annotations(job.owner)
     return name
 
 
@@ -113,16 +112,17 @@ def test_gangs_of_ended_tasks_are_deleted_and_live_ones_kept(sim, scheduler):
 def test_a_pod_whose_job_is_gone_is_deleted(sim):
     cluster = _cluster("kueue")
     backend = KubernetesGangBackend(cluster, image="registry.local/train:1")
-    name = _submit(sim, backend, "manual__2026-03-01T09:00:00+00:00", annotate=False)
+    name = _submit(sim, backend, "manual__2026-03-01T09:00:00+00:00")
     sim.run(3)
     backend.hook.batch_v1_client.delete_namespaced_job(name=name, namespace=NS)  # orphans its pods
     assert len(sim.pods) == 2
     now = datetime.now(UTC)
-    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], RunStates({}), dry_run=lambda _: False, now=now,
-                  clock=lambda: now)
+    # The pods go on that fact alone, whatever their owner's state; the Secret by its owner's.
+    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], RunStates({"manual__2026-03-01T09:00:00+00:00": ALIVE}),
+                  dry_run=lambda _: False, now=now, clock=lambda: now)
     assert sorted(r.leftover.kind for r in swept.releases) == ["gang-pod", "gang-pod"]
     assert all(r.released and r.leftover.gpus == 1 for r in swept.releases)
-    assert sim.pods == {} and swept.kept == 1  # its Secret names no owner: kept
+    assert sim.pods == {} and swept.kept == 1  # its Secret's run is alive: kept
 
 
 def test_an_unreachable_cluster_is_an_error_of_the_sweep(sim):
