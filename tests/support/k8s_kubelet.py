@@ -27,9 +27,14 @@ def _free_port() -> int:
 
 
 class Kubelet:
-    def __init__(self, sim, log_dir: Path) -> None:
+    def __init__(self, sim, log_dir: Path, *, wait_for_stops: bool = True) -> None:
         self.sim = sim
         self.log_dir = log_dir
+        # False: a step does not wait for stopped containers to exit (they are reaped by later steps),
+        # so a test that steps under the API server's lock never holds the API up while workers
+        # write their final checkpoints.
+        self.wait_for_stops = wait_for_stops
+        self.stopped: list[tuple[tuple[str, str], subprocess.Popen]] = []
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.ports: dict[tuple, int] = {}
         self.started: list[str] = []  # pod names, in start order
@@ -50,8 +55,15 @@ class Kubelet:
                 self.exits.append((key[1], proc.returncode))
                 del self.procs[key]
         for key, proc in stopping:
-            self.exits.append((key[1], proc.wait(timeout=60)))
             del self.procs[key]
+            if self.wait_for_stops:
+                self.exits.append((key[1], proc.wait(timeout=60)))
+            else:
+                self.stopped.append((key, proc))
+        for key, proc in list(self.stopped):
+            if proc.poll() is not None:
+                self.exits.append((key[1], proc.returncode))
+                self.stopped.remove((key, proc))
         for owner in {p["owner"] for p in self.sim.pods.values()}:
             if not any(k for k in self.procs if self.sim.pods.get(k, {}).get("owner") == owner):
                 self.ports.pop(owner, None)  # the next start of this gang rendezvouses afresh
@@ -87,11 +99,12 @@ class Kubelet:
         self.started.append(pod["name"])
 
     def stop(self) -> None:
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *(proc for _, proc in self.stopped)]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=60)
         self.procs.clear()
+        self.stopped.clear()
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
