@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from tests.support.k8s_config import as_kubernetes
+from tests.support.k8s_http import serve
 from tests.support.k8s_kubelet import Kubelet
-from tests.support.k8s_sim import SimCluster, install
+from tests.support.k8s_sim import SimCluster
 from tests.support.train_task import seed_examples, train_task
 
 from hybridflow.devenv.rclone import airflow_conn_uri
@@ -51,7 +52,6 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(home))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
     monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2_STORE", airflow_conn_uri(access, secret, endpoint))
-    monkeypatch.setenv("AIRFLOW_CONN_K8S_DC2", "kubernetes://")
     seed_examples(home)
     sim = SimCluster({f"gpu-{i}": {"gpus": 2, "labels": {"hybridflow.io/pool": "a100"}} for i in (1, 2)})
     # The teams' queues, as the cluster's admins create them (placement rules out a cluster without one).
@@ -60,17 +60,19 @@ def estate(tmp_path, monkeypatch, rclone_s3, request):
             sim.add_volcano_queue(queue)
     else:
         sim.add_kueue_queues("teams", 4, ["hybridflow/perception", "hybridflow/search"], preemption="LowerPriority")
-    install(monkeypatch, sim)
     kubelet = Kubelet(sim, tmp_path)
     sim.on_read = kubelet.step  # each poll of the job lets the cluster and its pods move on
-    try:
-        yield SimpleNamespace(home=home, sim=sim, kubelet=kubelet, scheduler=scheduler, bucket=bucket, deferrals=0,
-                              deferrable=deferrable,
-                              store=S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access,
-                                                  secret_key=secret),
-                              scratch=Path(dc2["scratch_dir"]))
-    finally:
-        kubelet.stop()
+    # The cluster's API over HTTP: the train task reaches it through Connection k8s_dc2 (a kubeconfig),
+    # the provider's KubernetesHook and the kubernetes client, as it reaches a real cluster.
+    with serve(monkeypatch, sim, "k8s_dc2") as server:
+        try:
+            yield SimpleNamespace(home=home, sim=sim, kubelet=kubelet, scheduler=scheduler, bucket=bucket,
+                                  deferrals=0, deferrable=deferrable, server=server,
+                                  store=S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access,
+                                                      secret_key=secret),
+                                  scratch=Path(dc2["scratch_dir"]))
+        finally:
+            kubelet.stop()
 
 
 def _train_task(name: str, try_number: int = 1, **params):
@@ -220,15 +222,20 @@ def test_a_team_over_its_cap_waits_unsubmitted_and_starts_when_its_gpus_free_up(
     assert result["cluster"] == CLUSTER and result["final_step"] == 40
 
 
-def _side_gang(name: str, priority: str, queue: str, seconds: float) -> str:
-    """Another team's gang of 2 on the cluster, whose workers run ``seconds`` and finish."""
+def _side_gang(name: str, priority: str, queue: str, seconds: float, sim: SimCluster | None = None) -> str:
+    """Another team's gang of 2 on the cluster, whose workers run ``seconds`` and finish. With ``sim``,
+    submitted straight to the simulator's API objects: from inside a step, which runs in the
+    simulator's API server, a request over HTTP would wait for the step itself."""
     from hybridflow import pipeline
     from hybridflow.backends.k8s.backend import KubernetesGangBackend
     from hybridflow.backends.local import GangJob
     from hybridflow.settings import get_settings
 
     cluster = pipeline._estate(get_settings()).clusters[CLUSTER]
-    backend = KubernetesGangBackend(cluster, image="trainer:1", command=("python", "-c", f"import time; time.sleep({seconds})"))
+    hook = SimpleNamespace(core_v1_client=sim.core, batch_v1_client=sim.batch, custom_object_client=sim.custom) \
+        if sim is not None else None
+    backend = KubernetesGangBackend(cluster, image="trainer:1", hook=hook,
+                                    command=("python", "-c", f"import time; time.sleep({seconds})"))
     job = GangJob(name=name, workers=2, spec={}, labels={"priority": priority}, env={})
     backend.submit(backend.gang_spec(job, pool=cluster.node_pools[0].name, queue=queue))
     return name
@@ -261,7 +268,7 @@ def test_a_critical_gang_preempts_the_batch_gang_which_resumes_from_its_checkpoi
             batch = next(j for k, j in {**estate.sim.vcjobs, **estate.sim.jobs}.items() if k[1] != normal)
             queue = batch["spec"].get("queue") or batch["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
             critical.append("critical-gang")  # before submitting it: submitting reads jobs, which steps
-            _side_gang("critical-gang", "critical", queue, 0.5)  # in the batch gang's queue
+            _side_gang("critical-gang", "critical", queue, 0.5, sim=estate.sim)  # in the batch gang's queue
 
     estate.sim.on_read = step
     result = _execute(op, context, estate)

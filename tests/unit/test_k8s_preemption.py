@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from tests.support.k8s_config import private_h100_cluster
 from tests.support.k8s_kubelet import Kubelet
 from tests.support.k8s_sim import SimCluster, install
 from tests.support.k8s_sim_preemption import evict_workload
@@ -18,7 +19,6 @@ from tests.support.k8s_sim_queues import workload_of
 from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
 from hybridflow.backends.k8s.manifests import gang_job_name
 from hybridflow.backends.local import GangFailed, GangJob
-from hybridflow.config import Cluster
 
 NS = "hybridflow"
 
@@ -44,18 +44,6 @@ while time.monotonic() < deadline:
 """
 
 
-def _cluster(scheduler: str) -> Cluster:
-    cluster = Cluster.model_validate({
-        "location": "private", "region": "eu-west-1", "backend": "kubernetes", "conn_id": "k8s_dc3",
-        "scheduler": scheduler,
-        "node_pools": [{"name": "h100", "gpu_model": "H100-80GB", "gpu_memory_gib": 80, "gpus": 8,
-                        "node_labels": {"hybridflow.io/pool": "h100"}}],
-        "prices": {"onprem": 1.0},
-    })
-    cluster._name = "dc3"
-    return cluster
-
-
 @pytest.fixture(params=["volcano", "kueue"])
 def cluster(request, monkeypatch, tmp_path):
     """2 nodes x 4 H100, with preemption on: Volcano's preempt action, Kueue's withinClusterQueue."""
@@ -77,13 +65,13 @@ def cluster(request, monkeypatch, tmp_path):
 
 def _gang(run_id: str, workers: int, priority: str, run_s: float, work_dir, resume_s: float = 0,
           **env: str) -> GangJob:
-    name = gang_job_name("train_model", run_id, "train", "dc3", readable=f"train-{run_id}")
+    name = gang_job_name("train_model", run_id, "train", "dc2-k8s", readable=f"train-{run_id}")
     return GangJob(name=name, workers=workers, spec={"run_key": run_id}, labels={"team": "vision", "priority": priority},
                    env={"WORK_DIR": str(work_dir), "RUN_S": str(run_s), "RESUME_S": str(resume_s), **env})
 
 
 def _backend(scheduler: str, script, max_retry: int) -> KubernetesGangBackend:
-    return KubernetesGangBackend(_cluster(scheduler), image="ghcr.io/example/trainer:1.0",
+    return KubernetesGangBackend(private_h100_cluster(scheduler), image="ghcr.io/example/trainer:1.0",
                                  command=(sys.executable, str(script)), max_retry=max_retry)
 
 
