@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="hf-airflow-home-"))
+# This file may be imported twice in one process (as pytest's conftest, and as tests.conftest by a
+# test that imports a helper from it): the second import must not point Airflow at another database.
+_MARK = "HYBRIDFLOW_TEST_AIRFLOW_HOME"
+if os.environ.get(_MARK, "").startswith(f"{os.getpid()}:"):
+    _AIRFLOW_HOME = Path(os.environ[_MARK].split(":", 1)[1])
+else:
+    _AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="hf-airflow-home-"))
+    os.environ[_MARK] = f"{os.getpid()}:{_AIRFLOW_HOME}"
 os.environ["AIRFLOW_HOME"] = str(_AIRFLOW_HOME)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(REPO / "dags")
 os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(REPO / "plugins")

@@ -7,7 +7,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from tests.conftest import REPO
 from tests.unit.test_config import broken_copy
 
 from hybridflow.config import load_estate
@@ -17,6 +16,7 @@ from hybridflow.reaper.liveness import ALIVE, ENDED, NO_TASK_INSTANCE, RUN_GONE,
 from hybridflow.reaper.serial import sweep_from_dict, sweep_to_dict
 from hybridflow.reaper.states import AirflowStates, Judgement
 from hybridflow.reaper.sweep import sweep
+from hybridflow.settings import REPO_ROOT
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 ALIVE_TASK = [None, "scheduled", "queued", "running", "deferred", "up_for_retry", "up_for_reschedule", "restarting",
@@ -158,5 +158,5 @@ def test_dry_run_is_per_cluster(tmp_path):
 
     reaper = load_estate(broken_copy(tmp_path, "pipeline.yaml", mutate), use_cache=False).pipeline.reaper
     assert not reaper.dry_run_for("onprem-a") and reaper.dry_run_for("cloud-east")
-    shipped = load_estate(REPO / "config").pipeline.reaper
+    shipped = load_estate(REPO_ROOT / "config").pipeline.reaper
     assert shipped.schedule == "@hourly" and all(shipped.dry_run_for(c) for c in ("onprem-a", "cloud-east"))
