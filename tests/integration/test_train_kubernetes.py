@@ -255,7 +255,7 @@ def test_a_critical_gang_preempts_the_batch_gang_which_resumes_from_its_checkpoi
 
     estate.sim.volcano_actions.append("preempt")
     run, placement, _, op, context = _train_task("k8s-batch", priority="batch", interruptible=True,
-                                                 hyperparameters={"steps": 100}, checkpoint_every_steps=20)
+                                                 hyperparameters={"steps": 300}, checkpoint_every_steps=20)
     assert placement["cluster"] == CLUSTER
     normal = _side_gang("normal-gang", "normal", "search", 120)
     ckpt = CheckpointStore(open_store(checkpoint_store_spec(
@@ -269,12 +269,13 @@ def test_a_critical_gang_preempts_the_batch_gang_which_resumes_from_its_checkpoi
             queue = batch["spec"].get("queue") or batch["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
             critical.append("critical-gang")  # before submitting it: submitting reads jobs, which steps
             _side_gang("critical-gang", "critical", queue, 0.5, sim=estate.sim)  # in the batch gang's queue
+            estate.kubelet.step()  # evicts and stops the batch gang now, before it can run out its steps
 
     estate.sim.on_read = step
     result = _execute(op, context, estate)
     assert critical, "the gang finished before its first checkpoint was seen"
     name = result["job_name"]
-    assert result["preemptions"] == 1 and result["final_step"] == 100, estate.kubelet.logs()
+    assert result["preemptions"] == 1 and result["final_step"] == 300, estate.kubelet.logs()
     assert result["start_step"] >= 20  # resumed from its checkpoint, not from step 0
     assert [code for pod, code in estate.kubelet.exits if pod.startswith(name)] == [75, 75, 0, 0]
     attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
