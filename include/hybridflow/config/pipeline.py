@@ -74,6 +74,52 @@ class KubernetesServing(_Model):
     port: int = Field(default=8080, ge=1, le=65535)
     canary_percent: int = Field(default=10, ge=1, le=50)  # share of pods the new version gets first
     ready_timeout_s: float = Field(default=600, gt=0)
+    # deployment: a stable and a canary Deployment behind a Service; kserve: one
+    # serving.kserve.io/v1beta1 InferenceService whose canaryTrafficPercent moves through serving.canary.
+    kind: Literal["deployment", "kserve"] = "deployment"
+
+
+class ModelServerSettings(_Model):
+    """The model server of every version (``python -m hybridflow.serving.server``, KServe's ModelServer)."""
+
+    # Dynamic batching: concurrent requests are run through the model together, up to this many
+    # instances, waiting at most this long for more to arrive.
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_batch_wait_ms: float = Field(default=5, ge=0, le=1000)
+    max_instances: int = Field(default=1024, ge=1, le=100_000)  # per request
+    max_body_mib: float = Field(default=8, gt=0, le=1024)  # per request; bigger bodies get 413 unread
+    # A request (reading its body, waiting for its batch, answering) that takes longer is cut off.
+    request_timeout_s: float = Field(default=10, gt=0, le=600)
+
+
+class GateSettings(_Model):
+    """What a new version must show under load before any traffic moves to it."""
+
+    p99_ms: float = Field(default=250, gt=0)  # p99 latency under the load test, at most
+    min_rps: float = Field(default=50, gt=0)  # requests per second, at least
+    max_error_rate: float = Field(default=0.0, ge=0, le=1)  # failed requests / requests, at most
+    # The new version's p99 may exceed the serving version's (measured in the same deploy) by at most
+    # this share: 0.5 = 50 % slower.
+    max_p99_regression: float = Field(default=0.5, ge=0)
+    concurrency: int = Field(default=8, ge=1, le=1024)  # simultaneous users of the load test
+    duration_s: float = Field(default=5, gt=0, le=3600)  # how long the load test runs
+
+
+class CanarySettings(_Model):
+    """Traffic moves to a new version in these steps; each is held for ``window_s`` while the
+    canary's error rate and p99 are compared with the stable version's."""
+
+    steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1)
+    window_s: float = Field(default=3, gt=0, le=3600)
+    # During each window the deployer sends this many concurrent requests through the endpoint, so a
+    # step is judged on traffic even when no client is calling.
+    concurrency: int = Field(default=4, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _steps_climb_to_100(self) -> CanarySettings:
+        if any(not 0 < s <= 100 for s in self.steps) or self.steps != sorted(set(self.steps)) or self.steps[-1] != 100:
+            raise ValueError(f"steps {self.steps}: use rising percentages in 1..100 that end at 100, e.g. [10, 50, 100]")
+        return self
 
 
 class ServingSettings(_Model):
@@ -84,6 +130,12 @@ class ServingSettings(_Model):
     # The deploy target by name (hybridflow.serving.DEPLOY_TARGETS); None: kubernetes when the
     # section above is there, else local.
     target: str | None = None
+    server: ModelServerSettings = Field(default_factory=ModelServerSettings)
+    gate: GateSettings = Field(default_factory=GateSettings)
+    canary: CanarySettings = Field(default_factory=CanarySettings)
+    # Inference cost: what one serving slot (a model server process on this machine, or one replica's
+    # GPU share on Kubernetes) costs per hour, for the nightly allocation.
+    slot_price_per_hour: float = Field(default=0.0, ge=0)
 
 
 class StagingConfig(_Model):
