@@ -1,6 +1,7 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
 allocations), how long gangs waited for admission (queue_waits), what the resource reaper released
-(reaper_sweep, reaper_release). Budget state lives in the same database, in
+(reaper_sweep, reaper_release), what served (serving_sample) and what serving cost
+(inference_allocation, migration 0005). Budget state lives in the same database, in
 hybridflow.ledger.budget_tables (created by migration 0002)."""
 
 from __future__ import annotations
@@ -207,3 +208,51 @@ class ReaperReleaseRow(Base):
     dry_run: Mapped[bool] = mapped_column(Boolean)
     released: Mapped[bool] = mapped_column(Boolean)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class ServingSampleRow(Base):
+    """What one model version held while serving during one metering window (hybridflow.metering.serving).
+
+    ``units`` are slots (a model server process on this machine, ``unit`` "slot") or GPUs (replicas x
+    GPUs per replica on Kubernetes, ``unit`` "gpu"), ``unit_hours`` what they held within the window.
+    A window metered again replaces its rows for that target (cluster), so nothing counts twice.
+    """
+
+    __tablename__ = "serving_sample"
+    __table_args__ = (
+        UniqueConstraint("cluster", "window_start", "endpoint", "version", name="uq_serving_sample_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    window_start: Mapped[datetime] = mapped_column(DateTime, index=True)
+    window_end: Mapped[datetime] = mapped_column(DateTime)
+    cluster: Mapped[str] = mapped_column(String(128))  # "local" for this machine's model servers
+    endpoint: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(255), index=True)  # a pipeline deploy's run_key
+    model: Mapped[str | None] = mapped_column(String(255))
+    unit: Mapped[str] = mapped_column(String(8))  # slot | gpu
+    units: Mapped[float] = mapped_column(Float)
+    unit_hours: Mapped[float] = mapped_column(Float)
+    gpu_model: Mapped[str | None] = mapped_column(String(128))
+    pricing_class: Mapped[str | None] = mapped_column(String(32))
+    usd_per_unit_hour: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(255))  # what was read: a version record, a Deployment, ...
+
+
+class InferenceAllocation(Base):
+    """One day's inference cost per project and model version (and where it served)."""
+
+    __tablename__ = "inference_allocation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)
+    project: Mapped[str] = mapped_column(String(128), index=True)  # "unattributed" for a version of no known run
+    team: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(255))
+    endpoint: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(255))
+    cluster: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(8))
+    unit_hours: Mapped[float] = mapped_column(Float)
+    usd_per_unit_hour: Mapped[float] = mapped_column(Float)  # hour-weighted mean of the day's samples
+    cost_usd: Mapped[float] = mapped_column(Float)
