@@ -64,6 +64,8 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         "compression": {k: compressed.get(k) for k in ("selected", "bundle", "metric", "baseline_metric", "variants")},
         "endpoint": deployed.get("endpoint_url"),
         "model_version": deployed.get("version"),
+        # The deploy's gate and canary figures and its verdicts (hybridflow.serving.base.roll's outcome).
+        "deploy": deploy_summary(deployed),
         "artefacts": {
             "model": trained.get("bundle"),
             "compressed_model": compressed.get("bundle"),
@@ -73,6 +75,19 @@ def build_record(admitted, identity: RunIdentity, steps: Mapping[str, Mapping[st
         "durations_s": {name: (out or {}).get("seconds") for name, out in steps.items()},
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+
+
+DEPLOY_KEYS = ("endpoint", "version", "previous_version", "model", "variant", "target", "status", "smoke_metric",
+               "gate", "canary", "rolled_back")
+
+
+def deploy_summary(deployed: Mapping[str, Any] | None) -> dict | None:
+    """What a deploy measured and decided: the versions, the smoke metric, the gate's load test (new
+    and serving version side by side, the bars, the verdict), each canary step's figures and verdict,
+    and the rollback if there was one. None when nothing was deployed."""
+    if not deployed or deployed.get("deployed") is False or not deployed.get("version"):
+        return None
+    return {key: deployed.get(key) for key in DEPLOY_KEYS}
 
 
 def training_summary(attempts: list[Mapping[str, Any]], final_step: int | None) -> dict:

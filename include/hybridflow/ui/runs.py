@@ -26,6 +26,7 @@ ATTEMPTS_FILE = "train-attempts.json"
 EVALUATION_FILE = "evaluation.json"
 STAGING_FILE = "staging.json"
 QUEUE_FILE = "queue.json"  # hybridflow.queueing: where the run's gang stands while it waits
+DEPLOY_FILE = "deploy.json"  # hybridflow.pipeline.deploy: the deploy's outcome, written when it fails too
 
 
 def _read_json(path: Path) -> Any:
@@ -53,6 +54,7 @@ def run_view(private_root: Path, dag_id: str, run_id: str) -> dict[str, Any]:
         "staging": _read_json(folder / STAGING_FILE),
         "attempts": _read_json(folder / ATTEMPTS_FILE) or [],
         "evaluation": _read_json(folder / EVALUATION_FILE),
+        "deploy": _read_json(folder / DEPLOY_FILE),
         "record": _read_json(record) if record else None,
     }
 
@@ -63,7 +65,8 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 1.2rem; color: #1b1f24; }
 h1 { font-size: 1.3rem; margin: 0 0 .8rem; } h2 { font-size: 1.05rem; margin: 1.4rem 0 .4rem; }
 table { border-collapse: collapse; margin: .3rem 0; } td, th { padding: .25rem .6rem; text-align: left;
 vertical-align: top; border-bottom: 1px solid #d8dee4; } th { background: #f3f5f7; font-weight: 600; }
-.won { background: #e8f6ec; } .lost { color: #57606a; } .muted { color: #57606a; }
+.won { background: #e8f6ec; } .lost { color: #57606a; } .muted { color: #57606a; } .failed { color: #b3261e; }
+h3 { font-size: .95rem; margin: 1rem 0 .3rem; }
 ul { margin: .2rem 0 .2rem 1.1rem; padding: 0; } code { font-size: 12px; }
 """
 
@@ -222,8 +225,100 @@ def render_run(view: dict[str, Any]) -> str:
     parts.append("<h2>Staging</h2>" + render_staging(view["staging"] or rec.get("staging")))
     parts.append("<h2>Training attempts</h2>" + render_attempts(view["attempts"]))
     parts.append("<h2>Record</h2>" + render_record(rec, view["evaluation"]))
+    parts.append(render_deploy(rec.get("deploy") or view.get("deploy")))
     parts.append(f"<p class='muted'>Run folder: <code>{escape(view['folder'])}</code></p>")
     return _page(title, "".join(parts))
+
+
+# -- the deploy: gate, canary steps, rollback -------------------------------------------------------
+_FIGURE_ROWS = (("requests", "requests", "{:.0f}"), ("requests/s", "rps", "{:.1f}"), ("p50 ms", "p50_ms", "{:.2f}"),
+                ("p99 ms", "p99_ms", "{:.2f}"), ("error rate", "error_rate", "{:.2%}"))
+
+
+def _fig(figs: dict | None, key: str, fmt: str) -> str:
+    value = (figs or {}).get(key)
+    if value is None:
+        return _cell(None)
+    try:
+        return escape(fmt.format(value))
+    except (TypeError, ValueError):
+        return _cell(value)
+
+
+def _verdict(passed: bool | None) -> str:
+    return _cell(None) if passed is None else ("<b>passed</b>" if passed else "<b class='failed'>failed</b>")
+
+
+def _gate_bars(bars: dict) -> dict[str, str]:
+    p99 = f"≤ {bars['p99_ms']:g}" if bars.get("p99_ms") is not None else ""
+    if bars.get("max_p99_regression") is not None:
+        p99 += f"; ≤ serving × {1 + bars['max_p99_regression']:g}"
+    return {
+        "rps": f"≥ {bars['min_rps']:g}" if bars.get("min_rps") is not None else "",
+        "p99_ms": p99,
+        "error_rate": f"≤ {bars['max_error_rate']:.2%}" if bars.get("max_error_rate") is not None else "",
+    }
+
+
+def render_gate(gate: dict, version: Any, previous: Any) -> str:
+    """The load test of the new version beside the serving one's, the bars, and the verdict."""
+    bars = gate.get("bars") or {}
+    load = (f" ({bars['concurrency']} users for {bars['duration_s']:g} s each)"
+            if bars.get("concurrency") and bars.get("duration_s") else "")
+    shown = _gate_bars(bars)
+    rows = "".join(
+        f"<tr><th>{label}</th><td>{_fig(gate.get('new'), key, fmt)}</td><td>{_fig(gate.get('serving'), key, fmt)}</td>"
+        f"<td>{escape(shown.get(key, ''))}</td></tr>"
+        for label, key, fmt in _FIGURE_ROWS
+    )
+    return (
+        f"<h3>Gate: {_verdict(gate.get('passed'))}{escape(load)}</h3>"
+        f"<table><tr><th></th><th>new {_cell(version)}</th><th>serving {_cell(previous)}</th><th>bar</th></tr>"
+        f"{rows}</table>{_reasons(gate.get('reasons') or [])}"
+    )
+
+
+def render_canary(steps: list[dict]) -> str:
+    """Each traffic step: the canary's and the stable version's figures over its window, and the verdict."""
+    head = "".join(f"<th>{label}</th>" for label, _, _ in _FIGURE_ROWS)
+    rows = []
+    for step in steps:
+        for i, side in enumerate(("canary", "stable")):
+            cells = "".join(f"<td>{_fig(step.get(side), key, fmt)}</td>" for _, key, fmt in _FIGURE_ROWS)
+            lead = (f"<td rowspan='2'>{_cell(step.get('percent'))} %</td>" if i == 0 else "")
+            tail = (f"<td rowspan='2'>{_verdict(step.get('passed'))}{_reasons(step.get('reasons') or [])}</td>"
+                    if i == 0 else "")
+            rows.append(f"<tr>{lead}<td>{side}</td>{cells}{tail}</tr>")
+    return (f"<h3>Canary steps</h3><table><tr><th>traffic</th><th></th>{head}<th>verdict</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def render_deploy(outcome: dict | None) -> str:
+    """The deploy: its versions and status, the gate, the canary steps and a rollback's reason."""
+    if not outcome:
+        return ""
+    status = outcome.get("status")
+    rows = [("endpoint", outcome.get("endpoint")), ("version", outcome.get("version")),
+            ("previous version", outcome.get("previous_version")), ("status", status),
+            ("target", outcome.get("target")), ("variant", outcome.get("variant"))]
+    if smoke := outcome.get("smoke_metric"):
+        value = smoke.get("value")
+        shown = f"{value:.4f}" if isinstance(value, int | float) else value
+        rows.append(("smoke test (held-out)", f"{smoke.get('name')} {shown} (gate {smoke.get('gate')})"))
+    parts = ["<h2>Deploy</h2>"]
+    if back := outcome.get("rolled_back"):
+        step = back.get("step")
+        where = f"the {step} % traffic step" if isinstance(step, int | float) else f"the {step} step"
+        parts.append(f"<p class='failed'><b>Rolled back</b> at {escape(where)}: {escape(str(back.get('reason')))}; "
+                     f"{escape(str(back.get('serving') or 'the previous version'))} serves.</p>")
+    elif status == "kept":
+        parts.append("<p class='muted'>This version was already serving: nothing changed.</p>")
+    parts.append(_kv_table(rows))
+    if gate := outcome.get("gate"):
+        parts.append(render_gate(gate, outcome.get("version"), outcome.get("previous_version")))
+    if steps := outcome.get("canary"):
+        parts.append(render_canary(steps))
+    return "".join(parts)
 
 
 def _metric(metric: dict | None) -> str:
