@@ -44,4 +44,10 @@ class CompressionRefused(HybridFlowError):
 
 
 class DeploymentError(HybridFlowError):
-    """A new model version failed its smoke test; the previous version keeps serving."""
+    """A new model version failed a check (smoke test, gate, a canary step); the previous version keeps
+    serving. ``outcome``: what the deployment measured and did up to the failure (the same keys as a
+    successful deploy's result, as far as it got), or None when it failed before measuring anything."""
+
+    def __init__(self, message: str, *, outcome: dict | None = None) -> None:
+        super().__init__(message)
+        self.outcome = outcome

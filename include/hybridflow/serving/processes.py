@@ -148,10 +148,12 @@ def stop_child(proc: subprocess.Popen) -> bool:
     return False
 
 
-def spawn(args: list[str], log_path: Path, cwd: Path) -> subprocess.Popen:
+def spawn(args: list[str], log_path: Path, cwd: Path, python: str | None = None) -> subprocess.Popen:
+    """``python -m args...`` detached, appending to ``log_path``; ``python``: this interpreter unless named
+    (model servers run in their own environment)."""
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", *args],
+            [python or sys.executable, "-m", *args],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -4,7 +4,10 @@
 
 ``/v1/models/<endpoint>...`` is forwarded to the backend named by ``ROOT/<endpoint>/active.json``
 (``{"version": ..., "url": "http://127.0.0.1:PORT"}``), re-read on every request, so a deployer
-switches an endpoint's traffic by atomically replacing that file; the gateway holds no state.
+switches an endpoint's traffic by atomically replacing that file; the gateway holds no state. A
+canary in that file (``"canary": {"version", "url", "percent"}``) takes that percent of the requests,
+drawn at random per request. Every answer forwarded, or failed on the way, carries
+``X-Model-Version`` of the backend it was sent to, so a client can attribute failures.
 ``GET /healthz`` answers for the gateway itself (``"router": true``, its state root, the endpoints
 it knows with their active versions); an unknown endpoint gets 404 naming the known ones, an endpoint
 without an active version 503.
@@ -16,6 +19,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import re
 import sys
 from collections.abc import Sequence
@@ -48,15 +52,9 @@ def known_endpoints(state_root: Path) -> list[str]:
                   if ENDPOINT_RE.match(p.name) and ((p / VERSIONS_DIR).is_dir() or (p / ACTIVE_FILE).is_file()))
 
 
-def read_active(state_dir: Path) -> dict[str, Any]:
-    """The endpoint's active backend, or NoBackend saying why there is none."""
-    try:
-        active = json.loads((state_dir / ACTIVE_FILE).read_text())
-    except FileNotFoundError as exc:
-        raise NoBackend(f"no version of {state_dir.name} is active; deploy one") from exc
-    except (OSError, ValueError) as exc:
-        raise NoBackend(f"{state_dir / ACTIVE_FILE} is unreadable: {exc}") from exc
-    url = active.get("url") if isinstance(active, dict) else None
+def _backend(entry: Any, where: Path) -> dict[str, Any]:
+    """A loopback backend named in ``where`` (``{"version", "url"}``), or NoBackend saying why not."""
+    url = entry.get("url") if isinstance(entry, dict) else None
     parts = urlsplit(url) if isinstance(url, str) else None
     # Only loopback backends: active.json must never turn the gateway into an open proxy.
     try:
@@ -64,8 +62,42 @@ def read_active(state_dir: Path) -> dict[str, Any]:
     except ValueError:
         port = None
     if not parts or parts.scheme != "http" or parts.hostname != HOST or not port:
-        raise NoBackend(f"{state_dir / ACTIVE_FILE} names no http://127.0.0.1:PORT backend (url={url!r})")
-    return {"version": str(active.get("version")), "host": parts.hostname, "port": port, "url": url}
+        raise NoBackend(f"{where} names no http://127.0.0.1:PORT backend (url={url!r})")
+    return {"version": str(entry.get("version")), "host": parts.hostname, "port": port, "url": url}
+
+
+def _read(state_dir: Path) -> Any:
+    try:
+        return json.loads((state_dir / ACTIVE_FILE).read_text())
+    except FileNotFoundError as exc:
+        raise NoBackend(f"no version of {state_dir.name} is active; deploy one") from exc
+    except (OSError, ValueError) as exc:
+        raise NoBackend(f"{state_dir / ACTIVE_FILE} is unreadable: {exc}") from exc
+
+
+def canary_share(active: Any) -> float:
+    """The canary's percent of the requests in an active.json body (0 without a canary)."""
+    canary = active.get("canary") if isinstance(active, dict) else None
+    percent = canary.get("percent") if isinstance(canary, dict) else None
+    if isinstance(percent, bool) or not isinstance(percent, int | float):
+        return 0.0
+    return min(max(float(percent), 0.0), 100.0)
+
+
+def read_active(state_dir: Path) -> dict[str, Any]:
+    """The endpoint's stable backend, or NoBackend saying why there is none."""
+    return _backend(_read(state_dir), state_dir / ACTIVE_FILE)
+
+
+def pick_backend(state_dir: Path, draw: float | None = None) -> dict[str, Any]:
+    """The backend for one request: the canary with its percent's chance, else the stable one.
+    ``draw`` in [0, 100) replaces the random draw."""
+    active = _read(state_dir)
+    share = canary_share(active)
+    draw = random.uniform(0.0, 100.0) if draw is None else draw
+    if share > 0 and draw < share:
+        return _backend(active["canary"], state_dir / ACTIVE_FILE)
+    return _backend(active, state_dir / ACTIVE_FILE)
 
 
 def _active_version(state_dir: Path) -> str | None:
@@ -162,7 +194,7 @@ class GatewayHandler(BaseHTTPRequestHandler):
 
     def _forward(self, method: str, endpoint: str, body: bytes | None) -> None:
         try:
-            backend = read_active(self.state_root / endpoint)
+            backend = pick_backend(self.state_root / endpoint)
         except NoBackend as exc:
             self._json(503, {"error": str(exc)})
             return
