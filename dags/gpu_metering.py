@@ -14,6 +14,10 @@ Samples are stored in the ledger keyed by cluster, node, GPU, MIG instance and t
 runs through their gang pods; per-node Xid codes, ECC errors and unanswered probes go to node
 health. Each run covers its data interval and stamps direct readings with the interval's end, so a
 cleared task stores the same samples again, not twice.
+
+The same schedule samples what serves (`meter_serving`): every model version's server slots on this
+machine, or the inference pool's replicas x GPUs on Kubernetes, per window, for the nightly inference
+cost (a window metered again replaces its samples).
 """
 
 from __future__ import annotations
@@ -53,7 +57,18 @@ def gpu_metering():
         return meter_cluster(cluster, window_start=context["data_interval_start"],
                              window_end=context["data_interval_end"], now=datetime.now(UTC))
 
+    @task(execution_timeout=timedelta(minutes=4))
+    def meter_serving() -> dict:
+        from datetime import UTC, datetime
+
+        from hybridflow.metering.task import meter_serving_window
+
+        context = get_current_context()
+        return meter_serving_window(window_start=context["data_interval_start"],
+                                    window_end=context["data_interval_end"], now=datetime.now(UTC))
+
     meter.expand(cluster=clusters())
+    meter_serving()
 
 
 gpu_metering()

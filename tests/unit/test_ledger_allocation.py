@@ -159,7 +159,8 @@ def test_files_go_to_the_given_object_store_and_samples_are_read_in_place(ledger
     assert _rows(engine) == first  # the same use from the same samples
     prefix = f"reports/allocation/{DAY}/"
     assert {o.key.removeprefix(prefix) for o in bucket.list(prefix)} == {
-        f"{n}.{ext}" for n in ("allocation", "idle", "attempts") for ext in ("csv", "parquet")} | {"report.html"}
+        f"{n}.{ext}" for n in ("allocation", "idle", "attempts", "inference") for ext in ("csv", "parquet")} | {
+        "report.html"}
     assert summary["files"] == f"{bucket.uri}/{prefix}".rstrip("/")
     page = bucket.get_bytes(prefix + "report.html").decode()
     assert not any(tag in page for tag in ("<script", "<link", "<img", "src=", "@import"))  # nothing fetched

@@ -8,7 +8,9 @@ For the day [00:00, 24:00) UTC:
 * waste: an attempt holding >= WASTE_MIN_GPUS GPUs at < WASTE_MAX_UTIL_PCT mean utilisation;
 * preempted GPU-hours: the share of a preempted attempt's hours spent on steps the next attempt redid;
 * idle: owned (onprem-billed) private capacity x 24 h minus what was allocated on it, billed to teams by
-  guaranteed_share and the rest to PLATFORM, so allocated + idle = capacity cost.
+  guaranteed_share and the rest to PLATFORM, so allocated + idle = capacity cost;
+* inference: what the serving meter sampled (slots or GPUs per model version, hybridflow.ledger.inference),
+  one line per project and model version, whose sum is the metered inference cost of the day.
 Re-running a day replaces its rows in one transaction.
 """
 
@@ -24,7 +26,8 @@ from pathlib import Path
 from sqlalchemy import Engine, delete, insert, select
 
 from hybridflow.errors import HybridFlowError
-from hybridflow.ledger.models import Allocation, Attempt, IdleAllocation, Price, Run
+from hybridflow.ledger.inference import inference_lines, metered_cost
+from hybridflow.ledger.models import Allocation, Attempt, IdleAllocation, InferenceAllocation, Price, Run
 from hybridflow.storage.objectstore import LocalObjectStore, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -257,11 +260,20 @@ def allocate_days(days: Sequence[date], *, engine: Engine | None = None, estate=
             if counts[day]:
                 samples.append(export)
     usage = usage_by_day_and_run(samples)
-    return [_allocate(day, engine, estate, store, usage, counts[day], report) for day in days]
+    return [_allocate(day, engine, estate, store, usage, counts[day], report, private_root) for day in days]
+
+
+def _inference(engine: Engine, day: date, private_root: Path | None) -> list[dict]:
+    """The day's inference lines, checked to add up to what the serving meter recorded."""
+    lines = inference_lines(engine, day, private_root)
+    metered, allocated = metered_cost(engine, day), sum(x["cost_usd"] for x in lines)
+    if abs(allocated - metered) > CONSERVATION_RTOL * max(1.0, metered):
+        raise AllocationError(f"{day}: inference lines {allocated} != metered inference cost {metered}")
+    return lines
 
 
 def _allocate(day: date, engine: Engine, estate, store: ObjectStore, usage: dict, sample_count: int | None,
-              report: bool) -> dict:
+              report: bool, private_root: Path | None = None) -> dict:
     costs = attempt_costs(engine, estate, day, usage)
     rows = group(costs)
     idle, capacity_cost, allocated_private = idle_capacity(engine, estate, day, costs)
@@ -269,35 +281,39 @@ def _allocate(day: date, engine: Engine, estate, store: ObjectStore, usage: dict
     error = abs(allocated_private + idle_cost - capacity_cost) / capacity_cost if capacity_cost else 0.0
     if error > CONSERVATION_RTOL:
         raise AllocationError(f"{day}: allocated {allocated_private} + idle {idle_cost} != capacity {capacity_cost}")
+    inference = _inference(engine, day, private_root)
     with engine.begin() as conn:  # the day's partition, replaced as a whole
-        conn.execute(delete(Allocation).where(Allocation.day == day.isoformat()))
-        conn.execute(delete(IdleAllocation).where(IdleAllocation.day == day.isoformat()))
-        if rows:
-            conn.execute(insert(Allocation), rows)
-        if idle:
-            conn.execute(insert(IdleAllocation), idle)
+        for table in (Allocation, IdleAllocation, InferenceAllocation):
+            conn.execute(delete(table).where(table.day == day.isoformat()))
+        for table, data in ((Allocation, rows), (IdleAllocation, idle), (InferenceAllocation, inference)):
+            if data:
+                conn.execute(insert(table), data)
     prefix = f"{REPORTS.as_posix()}/{day.isoformat()}"
-    write_files(store, prefix, rows, idle, [dict(vars(c)) for c in costs])
+    write_files(store, prefix, rows, idle, [dict(vars(c)) for c in costs], inference)
     if report:
         from hybridflow.ledger.report import REPORT_FILE, render_report
 
-        store.put_bytes(f"{prefix}/{REPORT_FILE}", render_report(engine, day, rows, idle, costs).encode("utf-8"))
+        page = render_report(engine, day, rows, idle, costs, inference)
+        store.put_bytes(f"{prefix}/{REPORT_FILE}", page.encode("utf-8"))
     summary = {"day": day.isoformat(), "rows": len(rows), "attempts": len(costs), "samples": sample_count,
                "cost_usd": round(sum(r["cost_usd"] for r in rows), 6), "idle_cost_usd": round(idle_cost, 6),
                "capacity_cost_usd": round(capacity_cost, 6), "conservation_error": error,
+               "inference_lines": len(inference),
+               "inference_cost_usd": round(sum(x["cost_usd"] for x in inference), 6),
                "waste_attempts": sum(c.waste for c in costs), "files": f"{store.uri.rstrip('/')}/{prefix}"}
     log.info("allocation %s", summary)
     return summary
 
 
-def write_files(store: ObjectStore, prefix: str, rows: list[dict], idle: list[dict], attempts: list[dict]) -> None:
-    """CSV and Parquet of the day's allocation, idle capacity and per-attempt detail under ``prefix``
-    (each object replaced whole)."""
+def write_files(store: ObjectStore, prefix: str, rows: list[dict], idle: list[dict], attempts: list[dict],
+                inference: list[dict] | None = None) -> None:
+    """CSV and Parquet of the day's allocation, idle capacity, per-attempt detail and inference cost
+    lines under ``prefix`` (each object replaced whole)."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    for name, data in (("allocation", rows), ("idle", idle), ("attempts", attempts)):
+    for name, data in (("allocation", rows), ("idle", idle), ("attempts", attempts), ("inference", inference or [])):
         table = pa.Table.from_pylist(data) if data else pa.table({})
         for suffix, write in ((".parquet", pq.write_table), (".csv", pacsv.write_csv)):
             buf = pa.BufferOutputStream()

@@ -1,5 +1,5 @@
 """The day's allocation as an HTML page with inline SVG charts: cost by project over time,
-utilisation against allocation, and the top waste."""
+utilisation against allocation, the top waste, and inference cost per project and model version."""
 
 from __future__ import annotations
 
@@ -94,8 +94,24 @@ def _table(headers: list[str], rows: list[list]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_report(engine: Engine, day: date, rows: list[dict], idle: list[dict], costs) -> str:
+def render_inference(lines: list[dict]) -> str:
+    """The inference cost lines (hybridflow.ledger.inference.inference_lines) as a table with their total."""
+    if not lines:
+        return "<p>Nothing served (no serving samples for this day).</p>"
+    table = _table(["project", "team", "model", "version", "endpoint", "cluster", "unit", "unit-hours",
+                    "USD per unit-hour", "USD"],
+                   [[x["project"], x["team"], x["model"], x["version"], x["endpoint"], x["cluster"],
+                     "GPU" if x["unit"] == "gpu" else x["unit"], x["unit_hours"], x["usd_per_unit_hour"],
+                     x["cost_usd"]] for x in lines])
+    total = sum(x["cost_usd"] for x in lines)
+    return table.replace("</table>", f'<tr><th colspan="9">inference in all</th><td class="n">{total:,.2f}</td>'
+                                     "</tr></table>")
+
+
+def render_report(engine: Engine, day: date, rows: list[dict], idle: list[dict], costs,
+                  inference: list[dict] | None = None) -> str:
     """The day's report page: self-contained (inline SVG and CSS, nothing fetched)."""
+    inference = inference or []
     allocated = sum(r["cost_usd"] for r in rows)
     idle_usd = sum(r["cost_usd"] for r in idle)
     effective = sum(r["effective_gpu_hours"] or 0.0 for r in rows)
@@ -103,7 +119,8 @@ def render_report(engine: Engine, day: date, rows: list[dict], idle: list[dict],
     waste = sorted((c for c in costs if c.waste), key=lambda c: -c.cost_usd)[:TOP_WASTE]
     kpis = [("Allocated", f"${allocated:,.2f}"), ("Idle owned capacity", f"${idle_usd:,.2f}"),
             ("GPU-hours", f"{hours:,.1f}"), ("Used", f"{100 * effective / hours:.0f} %" if hours else "n/a"),
-            ("Preempted GPU-hours", f"{sum(r['preempted_gpu_hours'] for r in rows):,.1f}")]
+            ("Preempted GPU-hours", f"{sum(r['preempted_gpu_hours'] for r in rows):,.1f}"),
+            ("Inference", f"${sum(x['cost_usd'] for x in inference):,.2f}")]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>GPU cost allocation {day}</title>"
              f"<style>{_STYLE}</style></head><body><h1>GPU cost allocation, {day}</h1>",
              "".join(f'<div class="kpi">{k}<b>{v}</b></div>' for k, v in kpis)]
@@ -119,9 +136,11 @@ def render_report(engine: Engine, day: date, rows: list[dict], idle: list[dict],
                         [[r["project"], r["team"], r["cluster"], r["gpu_model"], r["pricing_class"], r["gpu_hours"],
                           r["effective_gpu_hours"], r["cost_usd"], r["preempted_gpu_hours"],
                           "yes" if r["waste"] else ""] for r in sorted(rows, key=lambda r: -r["cost_usd"])]))
+    parts.append("<h2>Inference cost per project and model version</h2>" + render_inference(inference))
     parts.append("<h2>Idle owned capacity</h2>")
     parts.append(_table(["team", "cluster", "GPU-hours", "USD"],
                         [[r["team"], r["cluster"], r["gpu_hours"], r["cost_usd"]] for r in idle]))
-    parts.append("<p>Files: allocation.csv/.parquet, idle.csv/.parquet, attempts.csv/.parquet in this folder.</p>"
+    parts.append("<p>Files: allocation.csv/.parquet, idle.csv/.parquet, attempts.csv/.parquet, "
+                 "inference.csv/.parquet in this folder.</p>"
                  "</body></html>")
     return "".join(parts)

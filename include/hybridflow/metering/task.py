@@ -98,3 +98,26 @@ def meter_cluster(cluster_name: str, *, window_start: datetime, window_end: date
     if reading.errors and not reading.samples:
         raise DcgmError(f"cluster {cluster_name}: no exporter answered:\n  " + "\n  ".join(reading.errors))
     return summary
+
+
+def serving_sink() -> Callable[..., int]:
+    """The ledger's store of serving samples (one metering window replaced as a whole)."""
+    import importlib
+
+    try:
+        return importlib.import_module("hybridflow.ledger.inference").store_serving_samples
+    except (ImportError, AttributeError) as exc:
+        raise DcgmError(f"hybridflow.ledger.inference.store_serving_samples is not available ({exc}); metering "
+                        "needs the ledger installed with this package") from exc
+
+
+def meter_serving_window(*, window_start: datetime, window_end: datetime, now: datetime,
+                         store: Callable[..., int] | None = None) -> dict:
+    """Sample the model versions that served during [window_start, window_end) (hybridflow.metering.serving)
+    into the ledger; returns a summary for XCom."""
+    from hybridflow.metering.serving import meter_serving
+
+    summary = meter_serving(store or serving_sink(), window_start=window_start, window_end=window_end, now=now)
+    if summary.get("skipped"):
+        log.warning("serving metering skipped: %s", summary["skipped"])
+    return summary

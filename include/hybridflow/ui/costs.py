@@ -1,6 +1,7 @@
 """GPU costs and budgets in the Airflow UI: the latest nightly allocation report, each project's
-budget state for the month (spend, share, notifications sent, frozen and why, how to lift it), and
-per DAG run the cost of that run and the state of its project's budget.
+budget state for the month (spend, share, notifications sent, frozen and why, how to lift it), the
+inference cost per project and model version of the latest allocated day, and per DAG run the cost
+of that run and the state of its project's budget.
 
 Mounted on the plugin app of :mod:`hybridflow.ui.runs` under ``/hybridflow/costs``; access needs read
 access to the DAG runs concerned, like the runs pages.
@@ -22,6 +23,7 @@ from hybridflow.ui.runs import _cell, _kv_table, _page, _read_json
 ALLOCATION_REPORTS = Path("reports") / "allocation"
 REPORT_FILE = "report.html"
 ATTEMPTS_FILE = "attempts.parquet"  # each attempt of the day as allocated, with its run_key
+INFERENCE_FILE = "inference.parquet"  # the day's inference cost lines (hybridflow.ledger.inference)
 BUDGETS_DAG = "gpu_budgets"
 TRAINING_DAG = "hybrid_training"
 URL_PREFIX = "/hybridflow"  # where the plugin mounts the app (plugins/hybridflow_ui.py)
@@ -38,6 +40,34 @@ def latest_report(private_root: Path) -> tuple[str, Path] | None:
     base = private_root / ALLOCATION_REPORTS
     days = sorted(p.parent.name for p in base.glob(f"*/{REPORT_FILE}")) if base.is_dir() else []
     return (days[-1], base / days[-1] / REPORT_FILE) if days else None
+
+
+def inference_lines_of(private_root: Path, day: str) -> list[dict[str, Any]]:
+    """The inference cost lines the nightly allocation wrote for ``day`` (empty: none, or not allocated)."""
+    import pyarrow.parquet as pq
+
+    path = private_root / ALLOCATION_REPORTS / day / INFERENCE_FILE
+    if not path.is_file() or "cost_usd" not in pq.read_schema(path).names:  # a day nothing served
+        return []
+    return pq.read_table(path).to_pylist()
+
+
+def render_inference(lines: list[dict[str, Any]], day: str) -> str:
+    """Inference cost per project and model version, with the day's total."""
+    if not lines:
+        return (f"<p class='muted'>Nothing served on {escape(day)}: the serving meter (gpu_metering) sampled no "
+                "model version.</p>")
+    rows = "".join(
+        f"<tr><td>{escape(x['project'])}</td><td>{_cell(x.get('team'))}</td><td>{escape(x['model'])}</td>"
+        f"<td>{escape(x['version'])}</td><td>{escape(x['endpoint'])}</td><td>{escape(x['cluster'])}</td>"
+        f"<td>{'GPU' if x['unit'] == 'gpu' else escape(x['unit'])}</td><td>{x['unit_hours']:,.2f}</td>"
+        f"<td>{x['usd_per_unit_hour']:,.4f}</td><td>{x['cost_usd']:,.2f}</td></tr>"
+        for x in lines
+    )
+    total = sum(x["cost_usd"] for x in lines)
+    return ("<table><tr><th>project</th><th>team</th><th>model</th><th>version</th><th>endpoint</th><th>cluster</th>"
+            "<th>unit</th><th>unit-hours</th><th>USD/unit-hour</th><th>cost (USD)</th></tr>"
+            f"{rows}<tr><th colspan='9'>inference in all</th><th>{total:,.2f}</th></tr></table>")
 
 
 def budget_rows(config_dir: Path, store, period: str) -> list[dict[str, Any]]:
@@ -100,10 +130,14 @@ def render_budgets(rows: list[dict[str, Any]], period: str) -> str:
 
 
 def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Path] | None, ledger_note: str,
-                 *, base: str = URL_PREFIX, heading: str = "GPU costs &amp; budgets") -> str:
+                 *, base: str = URL_PREFIX, heading: str = "GPU costs &amp; budgets",
+                 inference: list[dict[str, Any]] | None = None) -> str:
     parts = [f"<h1>{heading}</h1><h2>Budgets for {escape(period)}</h2>", render_budgets(rows, period)]
     if ledger_note:
         parts.append(f"<p class='muted'>{escape(ledger_note)}</p>")
+    if report:
+        parts.append(f"<h2>Inference cost per project and model version, {escape(report[0])}</h2>"
+                     + render_inference(inference or [], report[0]))
     parts.append("<h2>Latest allocation report</h2>")
     if report:
         day = escape(report[0])
@@ -267,7 +301,9 @@ def add_cost_pages(
         root, cfg_dir = paths()
         period = period_now()
         rows, note = current_rows(open_store(), cfg_dir, period)
-        return render_costs(rows, period, latest_report(root), note, base=url_prefix)
+        report = latest_report(root)
+        return render_costs(rows, period, report, note, base=url_prefix,
+                            inference=inference_lines_of(root, report[0]) if report else [])
 
     @app.get("/api/costs/budgets", dependencies=overview_access)
     def budgets_json() -> dict:
@@ -295,7 +331,9 @@ def add_cost_pages(
             period = period_now()
             rows, note = current_rows(open_store(), cfg_dir, period)
             heading = f"GPU costs &amp; budgets, as of {escape(dag_id)} / {escape(run_id)}"
-            return render_costs(rows, period, latest_report(root), note, base=url_prefix, heading=heading)
+            report = latest_report(root)
+            return render_costs(rows, period, report, note, base=url_prefix, heading=heading,
+                                inference=inference_lines_of(root, report[0]) if report else [])
         try:
             view = run_cost_view(root, cfg_dir, open_store(), dag_id, run_id)
         except SQLAlchemyError:  # the cost still shows; the budget column reads "not evaluated yet"
