@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -38,9 +39,49 @@ def predict_url(base: str, endpoint: str) -> str:
     return f"{base}/v1/models/{endpoint}:predict"
 
 
-def start_module(args: list[str], log: Path) -> subprocess.Popen:
+def start_module(args: list[str], log: Path, python: str | None = None) -> subprocess.Popen:
+    """``python -m args...`` (this interpreter unless named), its output appended to ``log``."""
     with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, "-m", *args], stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen([python or sys.executable, "-m", *args], stdout=fh, stderr=subprocess.STDOUT)
+
+
+def start_servers(specs: list[tuple[Path, str, str, list[str]]], folder: Path, *, script: Path | None = None,
+                  wait_s: float = 120) -> list[tuple[subprocess.Popen, str]]:
+    """Model servers (``python -m hybridflow.serving.server``, or ``script`` taking the same flags), one per
+    (bundle, endpoint, version, extra flags), started together in their own environment on free ports of
+    127.0.0.1 -> [(process, base URL)] once each listens."""
+    from hybridflow.serving.runtime import serve_python
+
+    started = []
+    for bundle_dir, endpoint, version, flags in specs:
+        ready, log = folder / f"{endpoint}-{version}.ready", folder / f"{endpoint}-{version}.log"
+        args = ["--bundle", str(bundle_dir), "--endpoint", endpoint, "--version", version, "--port", "0",
+                "--host", "127.0.0.1", "--ready-file", str(ready), *flags]
+        command = [serve_python(), str(script)] if script else [serve_python(), "-m", "hybridflow.serving.server"]
+        with open(log, "ab") as fh:
+            started.append((subprocess.Popen([*command, *args], stdout=fh, stderr=subprocess.STDOUT), ready, log))
+    deadline = time.monotonic() + wait_s
+    servers = []
+    try:
+        for (proc, ready, log), (_, endpoint, version, _) in zip(started, specs, strict=True):
+            while not ready.is_file():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"{endpoint} {version} server did not start: {log.read_text()[-3000:]}")
+                time.sleep(0.05)
+            info = json.loads(ready.read_text())
+            assert info["pid"] == proc.pid and (info["endpoint"], info["version"]) == (endpoint, version)
+            servers.append((proc, f"http://127.0.0.1:{info['port']}"))
+    except BaseException:
+        for proc, _, _ in started:
+            stop_process(proc)
+        raise
+    return servers
+
+
+def start_server(bundle_dir: Path, endpoint: str, version: str, folder: Path, *flags: str,
+                 script: Path | None = None, wait_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """One model server (see :func:`start_servers`) -> (process, base URL)."""
+    return start_servers([(bundle_dir, endpoint, version, list(flags))], folder, script=script, wait_s=wait_s)[0]
 
 
 def stop_process(proc: subprocess.Popen) -> None:

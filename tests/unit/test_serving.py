@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
-import time
+import textwrap
 
 import numpy as np
 import pytest
@@ -18,13 +17,14 @@ from tests.support.serving import (  # noqa: F401 (fixture)
     http_call,
     predict_url,
     smoke_data,
-    start_module,
+    start_server,
+    start_servers,
     stop_process,
 )
 
 from hybridflow import scoring
 from hybridflow.bundle import Predictor, read_card
-from hybridflow.serving.server import BadRequest, InputSchema, make_handler
+from hybridflow.serving.schema import BadRequest, InputSchema
 
 WAIT_S = 120  # bound on any server start (importing torch on a busy machine)
 
@@ -33,30 +33,12 @@ WAIT_S = 120  # bound on any server start (importing torch on a busy machine)
 def servers(assets, tmp_path_factory):  # noqa: F811
     """digits v1 and breast-cancer b1, each on a free port its server picks itself."""
     folder = tmp_path_factory.mktemp("servers")
-    procs, urls = {}, {}
+    bundles = {"digits": assets["digits"]["v1"], "breast-cancer": assets["breast-cancer"]["b1"]}
+    started = start_servers([(b, e, read_card(b).version, []) for e, b in bundles.items()], folder, wait_s=WAIT_S)
     try:
-        for endpoint, bundle_dir in (("digits", assets["digits"]["v1"]), ("breast-cancer", assets["breast-cancer"]["b1"])):
-            version = read_card(bundle_dir).version
-            procs[endpoint] = start_module(
-                ["hybridflow.serving.server", "--bundle", str(bundle_dir), "--endpoint", endpoint,
-                 "--version", version, "--port", "0",
-                 "--host", "127.0.0.1",  # what a pod is given (as 0.0.0.0): the flag's address is the one bound
-                 "--ready-file", str(folder / f"{endpoint}.ready")],
-                folder / f"{endpoint}.log",
-            )
-        deadline = time.monotonic() + WAIT_S
-        for endpoint, proc in procs.items():
-            ready = folder / f"{endpoint}.ready"
-            while not ready.is_file():
-                assert proc.poll() is None, (folder / f"{endpoint}.log").read_text()
-                assert time.monotonic() < deadline, f"{endpoint} server did not start"
-                time.sleep(0.1)
-            info = json.loads(ready.read_text())
-            assert info["pid"] == proc.pid and info["endpoint"] == endpoint
-            urls[endpoint] = f"http://127.0.0.1:{info['port']}"
-        yield urls
+        yield {endpoint: base for endpoint, (_, base) in zip(bundles, started, strict=True)}
     finally:
-        for proc in procs.values():
+        for proc, _ in started:
             stop_process(proc)
 
 
@@ -197,29 +179,41 @@ def test_bool_inputs_accept_true_and_false_only():
             schema.parse({"instances": [[value, 40]]})
 
 
-def test_a_failing_prediction_answers_500_and_the_server_keeps_serving(assets):  # noqa: F811
-    from http.server import ThreadingHTTPServer
+FLAKY_SERVER = """
+import sys
 
-    class Flaky:
-        card = read_card(assets["digits"]["v1"])
-        calls = 0
+import numpy as np
 
-        def predict(self, x):
-            self.calls += 1
-            if self.calls == 1:
-                raise RuntimeError("out of memory")
-            return np.zeros(len(x), dtype=np.int64)
+from hybridflow.bundle import Predictor
+from hybridflow.serving import server
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(Flaky(), "digits", "t1"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+
+class Flaky:
+    def __init__(self, inner):
+        self.card, self.calls = inner.card, 0
+
+    def predict(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("out of memory")
+        return np.zeros(len(x), dtype=np.int64)
+
+
+args = server._parser().parse_args(sys.argv[1:])
+server.run_server(Flaky(Predictor.load(args.bundle)), args.endpoint, args.version, port=args.port,
+                  host=args.host, ready_file=args.ready_file)
+"""
+
+
+def test_a_failing_prediction_answers_500_and_the_server_keeps_serving(assets, tmp_path):  # noqa: F811
+    script = tmp_path / "flaky_server.py"
+    script.write_text(textwrap.dedent(FLAKY_SERVER))
+    proc, base = start_server(assets["digits"]["v1"], "digits", "t1", tmp_path, script=script, wait_s=WAIT_S)
     try:
-        url = predict_url(f"http://127.0.0.1:{server.server_address[1]}", "digits")
+        url = predict_url(base, "digits")
         status, body, _ = http_call("POST", url, {"instances": [[0] * 64]})
         assert status == 500 and "out of memory" in body["error"]
         status, body, _ = http_call("POST", url, {"instances": [[0] * 64]})
         assert status == 200 and body["predictions"] == [0]
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        stop_process(proc)

@@ -19,7 +19,7 @@ import numpy as np
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.processes import read_json, tail
 from hybridflow.serving.router import ENDPOINT_RE, MODELS_PREFIX
-from hybridflow.serving.server import MAX_INSTANCES, BadRequest, InputSchema
+from hybridflow.serving.schema import MAX_INSTANCES, BadRequest, InputSchema
 
 HOST = "127.0.0.1"
 LOAD_REQUESTS = 200

@@ -1,272 +1,312 @@
-"""One model version from a model bundle behind a small HTTP API (on 127.0.0.1 unless --host says otherwise).
+"""One model version from a model bundle, served by KServe's ModelServer (on 127.0.0.1 unless --host says
+otherwise). It runs in the model server's own environment (``hybridflow.serving.runtime.serve_python()``):
 
     python -m hybridflow.serving.server --bundle DIR --endpoint NAME --version V --port P
-                                        [--host H] [--ready-file F]
+        [--host H] [--ready-file F] [--max-batch-size N] [--max-batch-wait-ms MS] [--max-instances N]
+        [--max-body-mib MIB] [--request-timeout-s S]
 
 - ``GET /healthz`` -> ``{"status": "ok", "endpoint", "version", "variant", "model", "pid"}``
 - ``GET /v1/models/<endpoint>`` -> ``{"name", "ready": true, "version", "inputs": [names], "output": {...}}``
 - ``POST /v1/models/<endpoint>:predict`` ``{"instances": [row, ...]}``, each row either a list of
   values in the signature's input order or an object ``{column: value}`` with exactly the input
   columns -> ``{"predictions": [...], "model": endpoint, "version": V}``. Every value is checked
-  against the bundle's signature (type, finite, whole for int inputs, min/max); a bad request gets
-  400 with ``{"error": ...}`` naming the instance, the column and the fix.
+  against the bundle's signature (:mod:`hybridflow.serving.schema`); a bad request gets 400 with
+  ``{"error": ...}`` naming the instance, the column and the fix.
+- KServe's own routes: ``GET /`` (liveness), ``GET /metrics`` (Prometheus, with the batch sizes),
+  ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2/models/<endpoint>[/ready]`` and
+  ``POST /v2/models/<endpoint>/infer`` (the open inference protocol; one FP32 input of ``[n, width]``).
+
+Every answer carries ``X-Model-Version``. Requests are bounded: a body over ``--max-body-mib`` gets 413
+unread, more than ``--max-instances`` rows 400, and a request not done within ``--request-timeout-s``
+(a client sending its body slowly included) 408; a connection that does not send its request line and
+headers within that time is closed. Concurrent predictions are batched
+(:mod:`hybridflow.serving.batching`) and run on one thread beside the event loop.
 
 ``--port 0`` binds a free port; with ``--ready-file`` the bound port and pid are written there
-(atomically) once the model is loaded and the socket listens, so a deployer never races for a port.
+(atomically) once the model is loaded and the server accepts connections.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import math
+import logging
 import os
+import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
+from hybridflow.serving.schema import MAX_INSTANCES, BadRequest, InputSchema
+
 HOST = "127.0.0.1"
-MAX_INSTANCES = 1024
-MIN_BODY_BYTES = 4 * 1024 * 1024
-BODY_BYTES_PER_VALUE = 64  # a value, its JSON punctuation and (object form) its column name
 MODELS_PREFIX = "/v1/models/"
-
-
-class BadRequest(ValueError):
-    """Input the client must fix; the message is returned as the 400 body."""
-
-
-def _fmt(value: float) -> str:
-    return f"{value:g}"
-
-
-class InputSchema:
-    """The signature's input columns, and the check of request instances against them."""
-
-    def __init__(self, signature: Mapping[str, Any]) -> None:
-        from hybridflow.registry import Signature
-
-        sig = Signature.model_validate(signature)
-        self.columns = [(name, col.type, col.min, col.max) for name, col in sig.input_columns]
-        self.names = [name for name, *_ in self.columns]
-        self.index = {name: i for i, name in enumerate(self.names)}
-
-    @property
-    def width(self) -> int:
-        return len(self.columns)
-
-    @property
-    def max_body_bytes(self) -> int:
-        return max(MIN_BODY_BYTES, MAX_INSTANCES * self.width * BODY_BYTES_PER_VALUE)
-
-    def _order(self) -> str:
-        shown = ", ".join(self.names[:3])
-        return f"{shown}, ... {self.names[-1]}" if self.width > 4 else ", ".join(self.names)
-
-    def _value(self, i: int, column: int, value: Any) -> float:
-        name, kind, lo, hi = self.columns[column]
-        at = f"instances[{i}] column {name}"
-        if kind == "bool":
-            if not isinstance(value, bool):
-                raise BadRequest(f"{at} = {value!r} is not a boolean; send true or false")
-            return 1.0 if value else 0.0
-        wanted = "a whole number" if kind == "int" else "a number"
-        # bool is an int subclass, but true/false are not numbers for a numeric input.
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise BadRequest(f"{at} = {json.dumps(value)[:40]} is not a number; send {wanted} (a JSON number)")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise BadRequest(f"{at} = {value!r:.40} is not finite; send a finite number")
-        if kind == "int" and not number.is_integer():
-            raise BadRequest(f"{at} = {value!r} is not a whole number; this input is an int, send e.g. {round(number)}")
-        if lo is not None and number < lo:
-            raise BadRequest(f"{at} = {value!r} is below the minimum {_fmt(lo)}; send values >= {_fmt(lo)}")
-        if hi is not None and number > hi:
-            raise BadRequest(f"{at} = {value!r} is above the maximum {_fmt(hi)}; send values <= {_fmt(hi)}")
-        return number
-
-    def _row(self, i: int, row: Any) -> list[float]:
-        if isinstance(row, list):
-            if len(row) != self.width:
-                raise BadRequest(
-                    f"instances[{i}] has {len(row)} values; send {self.width} in the signature's order "
-                    f"({self._order()}) or an object {{column: value}}"
-                )
-            return [self._value(i, j, v) for j, v in enumerate(row)]
-        if isinstance(row, dict):
-            unknown = [k for k in row if k not in self.index]
-            if unknown:
-                shown = ", ".join(map(str, unknown[:5]))
-                raise BadRequest(f"instances[{i}] has unknown column(s) {shown}; the inputs are {self._order()}")
-            if len(row) != self.width:
-                missing = [n for n in self.names if n not in row]
-                shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-                raise BadRequest(f"instances[{i}] is missing column(s) {shown}; send every input column")
-            return [self._value(i, self.index[name], value) for name, value in row.items()]
-        raise BadRequest(
-            f"instances[{i}] is a {type(row).__name__}; send a list of {self.width} values "
-            "or an object {column: value}"
-        )
-
-    def parse(self, payload: Any) -> np.ndarray:
-        """A predict body -> float32 ``[n, width]`` in signature order; BadRequest says what to fix."""
-        if not isinstance(payload, dict) or "instances" not in payload:
-            raise BadRequest('body must be a JSON object {"instances": [row, ...]}')
-        rows = payload["instances"]
-        if not isinstance(rows, list) or not rows:
-            raise BadRequest('"instances" must be a non-empty list of rows')
-        if len(rows) > MAX_INSTANCES:
-            raise BadRequest(f'"instances" has {len(rows)} rows; at most {MAX_INSTANCES} per request, split the batch')
-        out = np.empty((len(rows), self.width), dtype=np.float32)
-        for i, row in enumerate(rows):
-            values = self._row(i, row)
-            if isinstance(row, dict):  # object form: place each value in its column
-                out[i, [self.index[name] for name in row]] = values
-            else:
-                out[i] = values
-        return out
-
-    def instances(self, x: np.ndarray) -> list[list[Any]]:
-        """Rows of ``x`` (signature order) as a client sends them: ints, booleans and floats as JSON."""
-        casts = [bool if kind == "bool" else int if kind == "int" else float for _, kind, _, _ in self.columns]
-        return [[cast(v) for cast, v in zip(casts, row, strict=True)] for row in np.asarray(x).tolist()]
+GRACE_S = 3  # how long a stopping server lets requests in flight finish
 
 
 def routes(endpoint: str) -> str:
     return f"GET /healthz, GET {MODELS_PREFIX}{endpoint}, POST {MODELS_PREFIX}{endpoint}:predict"
 
 
-class ModelHandler(BaseHTTPRequestHandler):
-    """Health, metadata and predictions of one model version; :func:`make_handler` binds the model."""
+def _json(status: int, body: dict[str, Any], extra: Sequence[tuple[bytes, bytes]] = ()) -> tuple[dict, dict]:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *extra]
+    return ({"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": data})
 
-    server_version = "hybridflow-model/1"
-    protocol_version = "HTTP/1.1"
-    predictor: ClassVar[Any]
-    schema: ClassVar[InputSchema]
-    endpoint: ClassVar[str]
-    version: ClassVar[str]
-    health: ClassVar[dict[str, Any]]
-    metadata: ClassVar[dict[str, Any]]
-    to_json: ClassVar[Callable[[Any, Any], list[Any]]]
 
-    @property
-    def model_path(self) -> str:
-        return f"{MODELS_PREFIX}{self.endpoint}"
+class Bounds:
+    """ASGI middleware around the whole app: the body limit, the request timeout and the version header.
 
-    @property
-    def predict_path(self) -> str:
-        return f"{self.model_path}:predict"
+    A POST's body is read here first (so its size and the time it takes are bounded before any route
+    sees it) and handed on whole."""
 
-    def _reply(self, status: int, body: dict[str, Any], allow: str | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("X-Model-Version", self.version)
-        if allow:
-            self.send_header("Allow", allow)
-        self.end_headers()
-        self.wfile.write(data)
+    def __init__(self, app: Any, *, version: str, max_body_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.version = version.encode()
+        self.max_body_bytes = max_body_bytes
+        self.timeout_s = timeout_s
 
-    def _no_route(self) -> None:
-        if self.command == "POST":
-            self.close_connection = True  # its body is left unread
-        self._reply(404, {"error": f"no route {self.command} {self.path}; use {routes(self.endpoint)}"})
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-        path = self.path.split("?", 1)[0]
-        if path == "/healthz":
-            self._reply(200, self.health)
-        elif path == self.model_path:
-            self._reply(200, self.metadata)
-        elif path == self.predict_path:
-            self._reply(405, {"error": f"use POST {self.predict_path}"}, allow="POST")
-        else:
-            self._no_route()
+        async def send_versioned(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                # Header names as clients that index a plain dict expect them (X-Model-Version, Allow).
+                headers = [(name.title(), value) for name, value in message.get("headers", [])]
+                message = {**message, "headers": [*headers, (b"X-Model-Version", self.version)]}
+            await send(message)
 
-    def _read_body(self) -> bytes | None:
-        """The request body, or None after answering why it cannot be read."""
+        async def answer(status: int, error: str) -> None:
+            if not started:  # else the client already has a status; the connection is closed instead
+                for message in _json(status, {"error": error}, [(b"connection", b"close")]):
+                    await send_versioned(message)
+
         try:
-            length = int(self.headers.get("Content-Length", ""))
-            if length < 0:
-                raise ValueError(length)
-        except ValueError:
-            self.close_connection = True  # the body's extent is unknown, so the connection cannot be reused
-            self._reply(411, {"error": "a valid Content-Length header is required"})
+            async with asyncio.timeout(self.timeout_s):
+                if scope["method"] in ("POST", "PUT", "PATCH"):
+                    body = await self._read_body(scope, receive, answer)
+                    if body is None:
+                        return
+                    receive = _replay(body, receive)
+                await self.app(scope, receive, send_versioned)
+        except TimeoutError:
+            await answer(408, f"the request took longer than {self.timeout_s:g} s (request_timeout_s); "
+                              "send the whole body at once, or fewer instances")
+
+    async def _read_body(self, scope: dict, receive: Callable, answer: Callable) -> bytes | None:
+        """The whole body, or None after answering why it will not be read."""
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        limit = self.max_body_bytes
+        too_big = f"at most {limit} bytes (max_body_mib) per request; split the batch"
+        if length is None and b"chunked" not in headers.get(b"transfer-encoding", b""):
+            await answer(411, "a valid Content-Length header is required")
             return None
-        if length > self.schema.max_body_bytes:
-            self.close_connection = True  # the unread body would poison a kept-alive connection
-            self._reply(413, {"error": f"body is {length} bytes; at most {self.schema.max_body_bytes}, "
-                                       "split the batch"})
+        if length is not None and int(length) > limit:
+            await answer(413, f"body is {int(length)} bytes; {too_big}")
             return None
-        return self.rfile.read(length)
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self.path.split("?", 1)[0] != self.predict_path:
-            self._no_route()
-            return
-        raw = self._read_body()
-        if raw is None:
-            return
-        endpoint, version, card = self.endpoint, self.version, self.predictor.card
-        try:
-            try:
-                payload = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise BadRequest(f"body is not valid JSON: {exc}") from exc
-            x = self.schema.parse(payload)
-        except BadRequest as exc:
-            self._reply(400, {"error": str(exc), "model": endpoint, "version": version})
-            return
-        try:
-            predictions = self.to_json(self.predictor.predict(x), card.output)
-        except Exception as exc:  # keep serving; the client sees why
-            self.log_error("prediction failed: %r", exc)
-            self._reply(500, {"error": f"prediction failed: {exc}", "model": endpoint, "version": version})
-            return
-        self._reply(200, {"predictions": predictions, "model": endpoint, "version": version})
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        # Successful requests are the load check's hundreds of lines; keep the log for problems.
-        if isinstance(code, int) and code < 400:
-            return
-        super().log_request(code, size)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        # One line per request to the log file the deployer points stderr at.
-        sys.stderr.write(f"{self.address_string()} {format % args}\n")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await answer(413, f"body is over {limit} bytes; {too_big}")
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
-def make_handler(predictor: Any, endpoint: str, version: str) -> type[BaseHTTPRequestHandler]:
-    """``predictor``: a :class:`hybridflow.bundle.Predictor` (``card``, ``predict``)."""
-    from hybridflow import scoring
+def _replay(body: bytes, receive: Callable) -> Callable:
+    sent = False
 
-    card = predictor.card
-    schema = InputSchema(card.signature)
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the client's disconnect
+
+    return replay
+
+
+def _model_class() -> type:
+    """The kserve.Model subclass (defined here so this module imports without KServe)."""
+    from kserve import InferOutput, InferRequest, InferResponse, Model
+
+    class BundleModel(Model):
+        """One bundle's predictor behind KServe's model interface; predictions go through the batcher."""
+
+        def __init__(self, name: str, predictor: Any, version: str, batcher: Any, max_instances: int) -> None:
+            super().__init__(name)
+            from hybridflow import scoring
+
+            self.predictor, self.version, self.batcher = predictor, version, batcher
+            self.schema = InputSchema(predictor.card.signature)
+            self.max_instances = max_instances
+            self.to_json = scoring.to_json
+            self.ready = True
+
+        async def predict(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
+            output = self.predictor.card.output
+            if isinstance(payload, InferRequest):  # open inference protocol: one [n, width] tensor
+                if len(payload.inputs) != 1:
+                    raise BadRequest(f"send one input tensor of shape [n, {self.schema.width}]")
+                rows = payload.inputs[0].as_numpy().reshape(-1, self.schema.width).tolist()
+                x = self.schema.parse({"instances": rows}, self.max_instances)
+                y = np.asarray(self.to_json(await self.batcher.predict(x), output))
+                out = InferOutput(name=output.get("name", "output"), shape=list(y.shape),
+                                  datatype="INT64" if y.dtype.kind == "i" else "FP64", data=y.tolist())
+                return InferResponse(response_id=payload.id or "", model_name=self.name, infer_outputs=[out],
+                                     model_version=self.version)
+            x = self.schema.parse(payload, self.max_instances)
+            predictions = self.to_json(await self.batcher.predict(x), output)
+            return {"predictions": predictions, "model": self.name, "version": self.version}
+
+    return BundleModel
+
+
+def _metrics() -> Callable[[int, int], None]:
+    from prometheus_client import Counter, Histogram
+
+    rows = Histogram("hybridflow_batch_rows", "instances per forward pass of the model",
+                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+    calls = Counter("hybridflow_batched_requests", "requests answered by a batched forward pass")
+
+    def on_batch(n_rows: int, n_calls: int) -> None:
+        rows.observe(n_rows)
+        calls.inc(n_calls)
+
+    return on_batch
+
+
+def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
+    """Contract routes, registered before KServe's so that they answer for this endpoint."""
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    card = model.predictor.card
     health = {"status": "ok", "endpoint": endpoint, "version": version, "variant": card.variant,
               "model": card.model, "pid": os.getpid()}
-    metadata = {"name": endpoint, "ready": True, "version": version, "inputs": schema.names,
+    metadata = {"name": endpoint, "ready": True, "version": version, "inputs": model.schema.names,
                 "output": card.output}
-    return type("Handler", (ModelHandler,), {
-        "predictor": predictor, "schema": schema, "endpoint": endpoint, "version": version, "health": health,
-        "metadata": metadata, "to_json": staticmethod(scoring.to_json),
-    })
+
+    def no_route(request: Request) -> JSONResponse:
+        return JSONResponse({"error": f"no route {request.method} {request.url.path}; use {routes(endpoint)}"}, 404)
+
+    async def healthz(_request: Request) -> JSONResponse:
+        return JSONResponse(health)
+
+    async def model_info(request: Request) -> JSONResponse:
+        name = request.path_params["name"]
+        if name == f"{endpoint}:predict":
+            return JSONResponse({"error": f"use POST {MODELS_PREFIX}{endpoint}:predict"}, 405, {"Allow": "POST"})
+        return JSONResponse(metadata) if name == endpoint else no_route(request)
+
+    async def predict(request: Request) -> JSONResponse:
+        if request.path_params["name"] != endpoint:
+            return no_route(request)
+        tag = {"model": endpoint, "version": version}
+        try:
+            try:
+                payload = json.loads(await request.body())
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise BadRequest(f"body is not valid JSON: {exc}") from exc
+            answer, _ = await model(payload, dict(request.headers))
+        except BadRequest as exc:
+            return JSONResponse({"error": str(exc), **tag}, 400)
+        except Exception as exc:  # keep serving; the client sees why
+            print(f"prediction failed: {exc!r}", file=sys.stderr, flush=True)
+            return JSONResponse({"error": f"prediction failed: {exc}", **tag}, 500)
+        return JSONResponse(answer)
+
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return no_route(request)
+        return JSONResponse({"error": f"{exc.detail}; use {routes(endpoint)}"}, exc.status_code, exc.headers)
+
+    # Plain Starlette routes (the request as it came, no FastAPI parameter binding).
+    app.add_route("/healthz", healthz, methods=["GET"])
+    app.add_route(MODELS_PREFIX + "{name}", model_info, methods=["GET"])
+    app.add_route(MODELS_PREFIX + "{name}:predict", predict, methods=["POST"])
+    app.add_exception_handler(HTTPException, http_error)
 
 
-def build_server(bundle_dir: Path, endpoint: str, version: str, port: int, host: str = HOST) -> ThreadingHTTPServer:
-    from hybridflow.bundle import Predictor
+def _invalid_input(app: Any) -> None:
+    """BadRequest on KServe's own routes (v2 infer) is a 400 like KServe's InvalidInput."""
+    from starlette.responses import JSONResponse
 
-    predictor = Predictor.load(bundle_dir)
-    server = ThreadingHTTPServer((host, port), make_handler(predictor, endpoint, version))
-    server.daemon_threads = True
-    return server
+    async def bad_request(_request: Any, exc: BadRequest) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, 400)
+
+    app.add_exception_handler(BadRequest, bad_request)
+
+
+def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: int = 32,
+              max_batch_wait_ms: float = 5, max_instances: int = MAX_INSTANCES, max_body_mib: float = 8,
+              request_timeout_s: float = 10) -> tuple[Any, Any]:
+    """(the ASGI app, the batcher) serving ``predictor`` (``card``, ``predict``) with KServe's ModelServer:
+    its model repository, data plane, routes, middlewares and exception handlers."""
+    sys.argv = sys.argv[:1]  # kserve.model_server reads its own flags from the command line on import
+    import kserve.model_server as kserve_server
+    from kserve.protocol.rest.server import RESTServer
+
+    from hybridflow.serving.batching import Batcher
+
+    batcher = Batcher(predictor.predict, max_batch_size=max_batch_size, max_wait_s=max_batch_wait_ms / 1000,
+                      on_batch=_metrics())
+    model = _model_class()(endpoint, predictor, version, batcher, max_instances)
+    model_server = kserve_server.ModelServer(enable_grpc=False, enable_latency_logging=False)
+    model_server.register_model(model)
+    app = kserve_server.app
+    _add_routes(app, model, endpoint, version)
+    rest = RESTServer("kserve.model_server:app", model_server.dataplane, model_server.model_repository_extension,
+                      0)
+    rest.create_application()
+    logging.getLogger("kserve.trace").setLevel(logging.WARNING)  # two lines per request otherwise
+    _invalid_input(app)
+    bounded = Bounds(app, version=version, max_body_bytes=int(max_body_mib * 2**20), timeout_s=request_timeout_s)
+    return bounded, batcher
+
+
+def _header_deadline(timeout_s: float) -> type:
+    """uvicorn's HTTP/1.1 protocol closing a connection whose request line and headers are not complete
+    within ``timeout_s`` of its start or of its last answer (a client trickling its headers)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self) -> None:
+            self.loop.call_later(timeout_s, self._expire, self.cycle)
+
+        def _expire(self, armed_cycle: Any) -> None:
+            # No request has started since the deadline was set: its headers are still not in.
+            if self.cycle is armed_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
 
 
 def _write_ready(path: Path, body: dict[str, Any]) -> None:
@@ -275,7 +315,95 @@ def _write_ready(path: Path, body: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+async def _serve(app: Any, sock: socket.socket, timeout_s: float, on_ready: Callable[[], None]) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=GRACE_S,
+                            http=_header_deadline(timeout_s), lifespan="off", timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        on_ready()
+    await task
+
+
+def run_server(predictor: Any, endpoint: str, version: str, *, port: int, host: str = HOST,
+               ready_file: Path | None = None, **settings: Any) -> None:
+    """Serve until SIGTERM/SIGINT; ``settings``: :func:`build_app`'s bounds and batching."""
+    app, _batcher = build_app(predictor, endpoint, version, **settings)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+
+    def ready() -> None:
+        if ready_file:
+            _write_ready(ready_file, {"pid": os.getpid(), "port": bound, "endpoint": endpoint, "version": version})
+        print(f"serving {endpoint} version {version} on http://{host}:{bound}{MODELS_PREFIX}{endpoint}",
+              file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(_serve(app, sock, settings.get("request_timeout_s", 10), ready))
+    finally:
+        sock.close()
+
+
+class ServerProcess:
+    """The model server started in its own environment (``serve_python()``) on ``port`` (0: a free one),
+    held as an ``http.server`` server is: ``server_address``, ``serve_forever`` (wait for it to stop),
+    ``shutdown`` and ``server_close``. For callers in Airflow's environment, which has no KServe."""
+
+    def __init__(self, bundle_dir: Path, endpoint: str, version: str, port: int, host: str = HOST,
+                 extra_args: Sequence[str] = (), start_timeout_s: float = 120) -> None:
+        import subprocess
+        import tempfile
+
+        from hybridflow.serving.processes import child_env
+        from hybridflow.serving.runtime import serve_python
+
+        self._folder = tempfile.TemporaryDirectory(prefix="model-server-")
+        ready, log = Path(self._folder.name) / "ready.json", Path(self._folder.name) / "server.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [serve_python(), "-m", "hybridflow.serving.server",
+                 "--bundle", str(bundle_dir), "--endpoint", endpoint, "--version", version, "--port", str(port),
+                 "--host", host, "--ready-file", str(ready), *extra_args],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.shutdown()
+                raise OSError(f"the model server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        self.server_address = (host, json.loads(ready.read_text())["port"])
+
+    def serve_forever(self) -> None:
+        self.proc.wait()
+
+    def shutdown(self, timeout_s: float = 10) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+
+    def server_close(self) -> None:
+        self.shutdown()
+        self._folder.cleanup()
+
+
+def build_server(bundle_dir: Path, endpoint: str, version: str, port: int, host: str = HOST) -> ServerProcess:
+    """The model server of ``bundle_dir`` in its own process, started and listening."""
+    return ServerProcess(bundle_dir, endpoint, version, port, host)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hybridflow.serving.server", description=__doc__.split("\n")[0])
     parser.add_argument("--bundle", type=Path, required=True, help="model bundle folder (model.json + weights.pt)")
     parser.add_argument("--endpoint", required=True, help="served at /v1/models/<endpoint>")
@@ -284,33 +412,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Loopback on this machine; a pod listens on all its interfaces so its Service can reach it.
     parser.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}; 0.0.0.0 in a pod)")
     parser.add_argument("--ready-file", type=Path, help="write {pid, port, endpoint, version} here once serving")
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-batch-size", type=int, default=32, help="instances per forward pass, at most")
+    parser.add_argument("--max-batch-wait-ms", type=float, default=5, help="how long a batch waits for more")
+    parser.add_argument("--max-instances", type=int, default=MAX_INSTANCES, help="instances per request, at most")
+    parser.add_argument("--max-body-mib", type=float, default=8, help="request body size, at most")
+    parser.add_argument("--request-timeout-s", type=float, default=10, help="a slower request is cut off")
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     import torch
 
+    from hybridflow.bundle import Predictor
     from hybridflow.registry import EntrypointError
 
     torch.set_num_threads(1)  # many small requests on few cores: intra-op threads only add contention
     try:
-        server = build_server(args.bundle, args.endpoint, args.version, args.port, args.host)
+        predictor = Predictor.load(args.bundle)
     except (OSError, ValueError, TypeError, EntrypointError) as exc:
         print(f"cannot serve {args.bundle} as {args.endpoint} version {args.version}: {exc}", file=sys.stderr)
         return 2
-    port = server.server_address[1]
-    if args.ready_file:
-        _write_ready(args.ready_file, {"pid": os.getpid(), "port": port, "endpoint": args.endpoint,
-                                       "version": args.version})
-    print(f"serving {args.endpoint} version {args.version} on http://{args.host}:{port}{MODELS_PREFIX}"
-          f"{args.endpoint}", file=sys.stderr, flush=True)
-    from hybridflow.signals import stop_on_signals
-
-    stop_on_signals()  # also when started with SIGINT ignored (a background shell)
+    settings = {"max_batch_size": args.max_batch_size, "max_batch_wait_ms": args.max_batch_wait_ms,
+                "max_instances": args.max_instances, "max_body_mib": args.max_body_mib,
+                "request_timeout_s": args.request_timeout_s}
     try:
-        server.serve_forever()
+        run_server(predictor, args.endpoint, args.version, port=args.port, host=args.host,
+                   ready_file=args.ready_file, **settings)
+    except OSError as exc:
+        print(f"cannot serve {args.endpoint} on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
-    finally:
-        server.server_close()
     return 0
 
 
