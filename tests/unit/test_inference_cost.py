@@ -28,8 +28,8 @@ from hybridflow.ledger.models import ServingSampleRow
 from hybridflow.metering import serving as meter
 from hybridflow.metering.serving import (
     KSERVE,
-    PREVIOUS_VERSION_ANNOTATION,
     SERVER_MODULE,
+    SERVING_VERSION_ANNOTATION,
     kubernetes_samples,
     local_samples,
     meter_serving,
@@ -139,7 +139,7 @@ def test_two_versions_over_a_day_are_costed_per_version_and_project_and_a_re_run
     # Metering the day and allocating the night again change nothing.
     before = _inference_rows(engine)
     _meter_day(serving, engine)
-    allocate_day(DAY, engine=engine, estate=estate, private_root=private, as_of=DAY)
+    allocate_day(DAY, engine=engine, estate=estate, private_root=private, as_of=DAY, report=False)
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(ServingSampleRow)).scalar_one() == count
     assert _inference_rows(engine) == before
@@ -216,8 +216,12 @@ def test_kubernetes_deployments_count_replicas_times_gpus_at_the_pools_price():
 
 
 def _inference_service(version: str, *, canary: int | None, previous: str | None) -> dict:
-    predictor = {"minReplicas": 3, "containers": [{"name": "kserve-container", "image": "registry.local/serve:1",
-                                                   "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    """As the KServe deploy target writes it: the new version in the labels, the one serving all traffic
+    until promotion in the serving-version annotation."""
+    predictor = {"minReplicas": 3, "maxReplicas": 3,
+                 "labels": {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": version},
+                 "containers": [{"name": "kserve-container", "image": "registry.local/serve:1",
+                                 "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}}]}
     if canary is not None:
         predictor["canaryTrafficPercent"] = canary
     status = {"components": {"predictor": {"latestReadyRevision": "digits-predictor-00002",
@@ -226,7 +230,7 @@ def _inference_service(version: str, *, canary: int | None, previous: str | None
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
             "metadata": {"name": "digits", "namespace": "hybridflow-serving",
                          "labels": {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": version},
-                         "annotations": {PREVIOUS_VERSION_ANNOTATION: previous} if previous else {}},
+                         "annotations": {SERVING_VERSION_ANNOTATION: previous} if previous else {}},
             "spec": {"predictor": predictor}, "status": status}
 
 
@@ -236,7 +240,10 @@ def test_an_inference_service_costs_its_predictor_and_during_a_canary_the_previo
     in_canary = _inference_service(V2, canary=10, previous=V1)
     samples = kubernetes_samples(_sim_hook(services=[in_canary]), _k8s_estate("kserve"), **window)
     assert {s.version: s.units for s in samples} == {V1: 3.0, V2: 3.0}
-    promoted = _inference_service(V2, canary=None, previous=V1)
+    rolled_back = _inference_service(V2, canary=0, previous=V1)  # the new revision's pods still run
+    samples = kubernetes_samples(_sim_hook(services=[rolled_back]), _k8s_estate("kserve"), **window)
+    assert {s.version: s.units for s in samples} == {V1: 3.0, V2: 3.0}
+    promoted = _inference_service(V2, canary=None, previous=V2)
     samples = kubernetes_samples(_sim_hook(services=[promoted]), _k8s_estate("kserve"), **window)
     assert [(s.version, s.units, s.usd_per_unit_hour) for s in samples] == [(V2, 3.0, 1.1)]
 

@@ -33,8 +33,9 @@ LOCAL = "local"  # the cluster name of samples of this machine's model servers
 SLOT, GPU = "slot", "gpu"
 SERVER_MODULE = "hybridflow.serving.server"
 KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
-# Set by the KServe deploy target while a canary is under way: the version the previous revision serves.
-PREVIOUS_VERSION_ANNOTATION = "hybridflow.io/previous-version"
+# Written by the KServe deploy target: the version that takes all traffic, the previous revision's while
+# a canary is under way (hybridflow.serving.kserve_manifests.SERVING_ANNOTATION).
+SERVING_VERSION_ANNOTATION = "hybridflow.io/serving-version"
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,8 @@ def inference_service_units(hook: Any, namespace: str) -> list[tuple[str, str, f
     """(endpoint, version, GPUs, source) of each labelled InferenceService's predictor: replicas
     (``minReplicas``, KServe's default 1) x the GPUs of its containers; while a canary takes part of the
     traffic (``canaryTrafficPercent`` under 100 with a previous revision rolled out), the previous
-    revision holds as much again, costed to the version the annotation names."""
+    revision holds as much again, costed to the version the serving-version annotation names (else to
+    ``?<revision>``, which no run owns)."""
     body = hook.custom_object_client.list_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2],
                                                                    label_selector=ENDPOINT_LABEL)
     out = []
@@ -170,8 +172,8 @@ def inference_service_units(hook: Any, namespace: str) -> list[tuple[str, str, f
         canary = predictor.get("canaryTrafficPercent")
         previous = status.get("previousRolledoutRevision")
         if canary is not None and int(canary) < 100 and previous:
-            annotations = _get(isvc, "metadata", "annotations") or {}
-            was = annotations.get(PREVIOUS_VERSION_ANNOTATION) or f"?{previous}"
+            was = (_get(isvc, "metadata", "annotations") or {}).get(SERVING_VERSION_ANNOTATION)
+            was = was if was and was != labels.get(VERSION_LABEL) else f"?{previous}"
             out.append((labels[ENDPOINT_LABEL], was, gpus, f"inferenceservice/{name} revision {previous}"))
     return out
 
