@@ -32,6 +32,7 @@ ENDPOINT_LABEL, VERSION_LABEL, GPU_RESOURCE = "hybridflow.io/endpoint", "hybridf
 LOCAL = "local"  # the cluster name of samples of this machine's model servers
 SLOT, GPU = "slot", "gpu"
 SERVER_MODULE = "hybridflow.serving.server"
+API_TIMEOUT_S = 10.0  # each list call to the inference pool's API server
 KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
 # Written by the KServe deploy target: the version that takes all traffic, the previous revision's while
 # a canary is under way (hybridflow.serving.kserve_manifests.SERVING_ANNOTATION).
@@ -140,7 +141,8 @@ def _limit_gpus(containers: Any) -> int:
 def deployment_units(hook: Any, namespace: str) -> list[tuple[str, str, float, str]]:
     """(endpoint, version, GPUs, source) of each labelled Deployment: its pods (the status' count, else
     the spec's) x the GPUs its pod template asks for."""
-    items = hook.apps_v1_client.list_namespaced_deployment(namespace, label_selector=ENDPOINT_LABEL).items
+    items = hook.apps_v1_client.list_namespaced_deployment(namespace, label_selector=ENDPOINT_LABEL,
+                                                           _request_timeout=API_TIMEOUT_S).items
     out = []
     for dep in items:
         labels = _get(dep, "metadata", "labels") or {}
@@ -159,7 +161,8 @@ def inference_service_units(hook: Any, namespace: str) -> list[tuple[str, str, f
     revision holds as much again, costed to the version the serving-version annotation names (else to
     ``?<revision>``, which no run owns)."""
     body = hook.custom_object_client.list_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2],
-                                                                   label_selector=ENDPOINT_LABEL)
+                                                                   label_selector=ENDPOINT_LABEL,
+                                                                   _request_timeout=API_TIMEOUT_S)
     out = []
     for isvc in body.get("items") or []:
         labels, name = _get(isvc, "metadata", "labels") or {}, _get(isvc, "metadata", "name")
