@@ -6,6 +6,33 @@
 # PyTorch: requirements-torch.txt pins the version. On x86_64 the default package index serves a
 # CUDA build (several GB); pass an index that serves the CPU build with
 #   docker compose build --build-arg TORCH_INDEX_URL=<index url>
+#
+# The model server's image (serving.kubernetes.image; KServe custom predictor or Deployment pods), a stage
+# of its own because KServe's pins cannot share Airflow's environment:
+#   docker build --target serve -t <registry>/hybridflow-serve:<tag> .
+# Its pods run ``python -m hybridflow.serving.server ...`` (hybridflow.serving.k8s_manifests).
+FROM python:3.11-slim-bookworm AS serve
+
+ARG TORCH_INDEX_URL=""
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OMP_NUM_THREADS=1
+RUN useradd --create-home --uid 50000 --gid 0 serve
+WORKDIR /opt/hybridflow
+COPY requirements-serve.txt requirements-torch.txt ./
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} -r requirements-torch.txt \
+ && pip install -r requirements-serve.txt
+COPY pyproject.toml README.md ./
+COPY include ./include
+COPY examples ./examples
+RUN pip install --no-deps .
+USER serve
+EXPOSE 8080
+ENTRYPOINT ["python", "-m", "hybridflow.serving.server"]
+
+# The Airflow image (the last stage: what a plain build makes).
 FROM python:3.11-slim-bookworm
 
 ARG TORCH_INDEX_URL=""
