@@ -44,5 +44,5 @@ def server_args(settings: ModelServerSettings) -> list[str]:
     """The ``serving.server`` settings as the model server's flags."""
     args: list[str] = []
     for field, flag in FLAGS.items():
-        args += [flag, f"{getattr(settings, field):g}"]
+        args += [flag, str(getattr(settings, field))]
     return args
