@@ -141,6 +141,7 @@ class _Fake:
 
 
 VCJOBS = ("batch.volcano.sh", "v1alpha1", "jobs")
+KSERVE_GROUP = "serving.kserve.io"  # InferenceServices, served once a KServe controller is attached
 # (group, version, plural) -> the simulator's store, whether namespaced, the kind, its CRD (file, version).
 _RESOURCES = {
     VCJOBS: ("vcjobs", True, "Job", ("volcano/batch.volcano.sh_jobs.yaml", None)),
@@ -172,6 +173,10 @@ class FakeCustomObjectsApi(_Fake):
             raise exc
         return found
 
+    def _kserve(self, group: str):
+        """The simulated KServe controller (:func:`tests.support.k8s_sim_kserve.attach`) for its API group."""
+        return getattr(self.sim, "kserve", None) if group == KSERVE_GROUP else None
+
     def _check(self, group: str, version: str, plural: str) -> None:
         if (group, version, plural) != VCJOBS:
             raise NotImplementedError(f"only Volcano Jobs are written through the simulator, not {plural}")
@@ -187,6 +192,8 @@ class FakeCustomObjectsApi(_Fake):
                 "items": [self._out(resource, obj) for obj in items]}
 
     def create_namespaced_custom_object(self, group, version, namespace, plural, body, **kwargs):
+        if (kserve := self._kserve(group)) is not None:
+            return kserve.create(namespace, body)
         self._check(group, version, plural)
         self.sim.calls.append(f"create vcjob {body['metadata']['name']}")
         crd_validator("volcano/batch.volcano.sh_jobs.yaml").validate(body)  # the API server's check
@@ -203,6 +210,8 @@ class FakeCustomObjectsApi(_Fake):
         return copy.deepcopy(stored)
 
     def get_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
+        if (kserve := self._kserve(group)) is not None:
+            return kserve.get(namespace, name)
         resource = self._resource(group, version, plural, namespaced=True)
         if resource[0] == "vcjobs" and self.sim.on_read:
             self.sim.on_read()
@@ -219,6 +228,8 @@ class FakeCustomObjectsApi(_Fake):
         return self._out(resource, store[name])
 
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **kwargs):
+        if (kserve := self._kserve(group)) is not None:
+            return kserve.list(namespace, label_selector)
         resource = self._resource(group, version, plural, namespaced=True)
         items = [obj for (ns, _), obj in sorted(getattr(self.sim, resource[0]).items())
                  if ns == namespace and _label_match(obj["metadata"].get("labels") or {}, label_selector)]
@@ -232,6 +243,9 @@ class FakeCustomObjectsApi(_Fake):
         return self._list(group, version, plural, resource, items)
 
     def patch_namespaced_custom_object(self, group, version, namespace, plural, name, body, **kwargs):
+        if (kserve := self._kserve(group)) is not None:
+            _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
+            return kserve.patch(namespace, name, body)
         self._check(group, version, plural)
         # CustomObjectsApi sends a merge patch unless told otherwise.
         _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
@@ -245,6 +259,8 @@ class FakeCustomObjectsApi(_Fake):
         return copy.deepcopy(patched)
 
     def delete_namespaced_custom_object(self, group, version, namespace, plural, name, **kwargs):
+        if (kserve := self._kserve(group)) is not None:
+            return kserve.delete(namespace, name)
         self._check(group, version, plural)
         self.sim.calls.append(f"delete vcjob {name}")
         gone = self.sim.vcjobs.pop((namespace, name), None)
