@@ -21,17 +21,20 @@ if TYPE_CHECKING:
 DEPLOY_TARGETS: dict[str, str] = {
     "local": "hybridflow.serving.deploy.LocalTarget",
     "kubernetes": "hybridflow.serving.k8s.KubernetesTarget",
+    "kserve": "hybridflow.serving.kserve.KServeTarget",
 }
 TARGET_FIELD = "serving.target"
 
 
 def target_name(serving: ServingSettings) -> str:
-    """The configured deploy target: ``serving.target`` when set; else ``kubernetes`` when
-    ``serving.kubernetes`` describes the private inference pool, and ``local`` (the model gateway on
-    127.0.0.1) otherwise."""
+    """The configured deploy target: ``serving.target`` when set; else, when ``serving.kubernetes``
+    describes the private inference pool, ``kserve`` for ``kind: kserve`` (an InferenceService) and
+    ``kubernetes`` for ``kind: deployment``; and ``local`` (the model gateway on 127.0.0.1) otherwise."""
     if serving.target is not None:
         return serving.target
-    return "local" if serving.kubernetes is None else "kubernetes"
+    if serving.kubernetes is None:
+        return "local"
+    return "kserve" if serving.kubernetes.kind == "kserve" else "kubernetes"
 
 
 def target_class(name: str) -> type[DeployTarget[Any]]:
