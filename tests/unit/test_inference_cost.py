@@ -16,7 +16,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, text
 from tests.support.k8s_config import private_h100_cluster
-from tests.support.k8s_sim_api import to_model
+from tests.support.k8s_sim_api import crd_validator, to_model
+from tests.support.k8s_sim_kserve import CRD
 from tests.support.ledger_db import ledger_engine  # noqa: F401 (fixture)
 from tests.unit.test_ledger_runs import make_record
 
@@ -29,7 +30,6 @@ from hybridflow.metering import serving as meter
 from hybridflow.metering.serving import (
     KSERVE,
     SERVER_MODULE,
-    SERVING_VERSION_ANNOTATION,
     kubernetes_samples,
     local_samples,
     meter_serving,
@@ -37,6 +37,7 @@ from hybridflow.metering.serving import (
 from hybridflow.serving import k8s_manifests
 from hybridflow.serving.deploy import SERVER_MODULE as STARTED_MODULE
 from hybridflow.serving.k8s_manifests import InferencePool, Release, canary_deployment, stable_deployment
+from hybridflow.serving.kserve_manifests import SERVING_ANNOTATION, inference_service
 from hybridflow.settings import REPO_ROOT, get_settings
 
 DAY = date(2026, 11, 3)
@@ -215,37 +216,43 @@ def test_kubernetes_deployments_count_replicas_times_gpus_at_the_pools_price():
                         "onprem", 1.1)}
 
 
-def _inference_service(version: str, *, canary: int | None, previous: str | None) -> dict:
-    """As the KServe deploy target writes it: the new version in the labels, the one serving all traffic
-    until promotion in the serving-version annotation."""
-    predictor = {"minReplicas": 3, "maxReplicas": 3,
-                 "labels": {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": version},
-                 "containers": [{"name": "kserve-container", "image": "registry.local/serve:1",
-                                 "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}}]}
-    if canary is not None:
-        predictor["canaryTrafficPercent"] = canary
-    status = {"components": {"predictor": {"latestReadyRevision": "digits-predictor-00002",
-                                           **({"previousRolledoutRevision": "digits-predictor-00001"}
-                                              if previous else {})}}}
-    return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
-            "metadata": {"name": "digits", "namespace": "hybridflow-serving",
-                         "labels": {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": version},
-                         "annotations": {SERVING_VERSION_ANNOTATION: previous} if previous else {}},
-            "spec": {"predictor": predictor}, "status": status}
+def _inference_service(version: str, *, canary: int | None, serving: str,
+                       traffic: list[tuple[str, int, str]]) -> dict:
+    """As the KServe deploy target writes it (the new version in the labels, the one taking all traffic
+    until promotion in the serving-version annotation) with the predictor's status as KServe reports
+    it; valid against the KServe v0.20.0 CRD."""
+    pool = InferencePool(endpoint="digits", namespace="hybridflow-serving", models_claim="private-models", replicas=3,
+                         gpus_per_replica=1, pool=NodePool(name="h100", gpu_model="H100-80GB", gpu_memory_gib=80,
+                                                           gpus=8))
+    isvc = inference_service(pool, Release(version, "int8", "registry.local/serve:1"), canary_percent=canary,
+                             serving_version=serving)
+    latest = traffic[0][0] if traffic[0][2] == "latest" else "digits-predictor-00009"
+    isvc["metadata"]["generation"] = 1
+    isvc["status"] = {"observedGeneration": 1, "components": {"predictor": {
+        "latestCreatedRevision": latest,
+        "traffic": [{"revisionName": r, "percent": p, "tag": tag, "latestRevision": r == latest} for r, p, tag in traffic],
+    }}}
+    crd_validator(*CRD).validate(isvc)
+    return isvc
 
 
-def test_an_inference_service_costs_its_predictor_and_during_a_canary_the_previous_revision_too():
+def test_an_inference_service_costs_its_predictor_and_during_a_canary_the_rolled_out_revision_too():
     start = datetime(2026, 11, 3, 12, 0, tzinfo=UTC)
     window = {"window_start": start, "window_end": start + timedelta(minutes=5)}
-    in_canary = _inference_service(V2, canary=10, previous=V1)
-    samples = kubernetes_samples(_sim_hook(services=[in_canary]), _k8s_estate("kserve"), **window)
+    estate = _k8s_estate("kserve")
+    first = _inference_service(V1, canary=None, serving=V1, traffic=[("digits-predictor-00001", 100, "latest")])
+    samples = kubernetes_samples(_sim_hook(services=[first]), estate, **window)
+    assert [(s.version, s.units, s.usd_per_unit_hour) for s in samples] == [(V1, 3.0, 1.1)]
+    in_canary = _inference_service(V2, canary=10, serving=V1, traffic=[("digits-predictor-00002", 10, "latest"),
+                                                                       ("digits-predictor-00001", 90, "prev")])
+    samples = kubernetes_samples(_sim_hook(services=[in_canary]), estate, **window)
     assert {s.version: s.units for s in samples} == {V1: 3.0, V2: 3.0}
-    rolled_back = _inference_service(V2, canary=0, previous=V1)  # the new revision's pods still run
-    samples = kubernetes_samples(_sim_hook(services=[rolled_back]), _k8s_estate("kserve"), **window)
-    assert {s.version: s.units for s in samples} == {V1: 3.0, V2: 3.0}
-    promoted = _inference_service(V2, canary=None, previous=V2)
-    samples = kubernetes_samples(_sim_hook(services=[promoted]), _k8s_estate("kserve"), **window)
-    assert [(s.version, s.units, s.usd_per_unit_hour) for s in samples] == [(V2, 3.0, 1.1)]
+    # A new revision not ready yet takes no traffic, but its pods start: both are costed.
+    starting = _inference_service(V2, canary=10, serving=V1, traffic=[("digits-predictor-00001", 100, "prev")])
+    assert {s.version for s in kubernetes_samples(_sim_hook(services=[starting]), estate, **window)} == {V1, V2}
+    promoted = _inference_service(V2, canary=None, serving=V2, traffic=[("digits-predictor-00002", 100, "latest")])
+    samples = kubernetes_samples(_sim_hook(services=[promoted]), estate, **window)
+    assert [(s.version, s.units) for s in samples] == [(V2, 3.0)]
 
 
 def test_a_kubernetes_window_long_over_is_skipped_not_read_as_the_present():
@@ -283,5 +290,6 @@ def test_the_costs_page_shows_the_inference_lines_of_the_latest_day(tmp_path):
 
 
 def test_the_meter_reads_the_labels_and_the_process_the_deploy_targets_write():
-    assert (meter.ENDPOINT_LABEL, meter.VERSION_LABEL, meter.GPU_RESOURCE, meter.SERVER_MODULE) == (
-        k8s_manifests.ENDPOINT_LABEL, k8s_manifests.VERSION_LABEL, k8s_manifests.GPU_RESOURCE, STARTED_MODULE)
+    assert (meter.ENDPOINT_LABEL, meter.VERSION_LABEL, meter.GPU_RESOURCE, meter.SERVER_MODULE,
+            meter.SERVING_VERSION_ANNOTATION) == (k8s_manifests.ENDPOINT_LABEL, k8s_manifests.VERSION_LABEL,
+                                                  k8s_manifests.GPU_RESOURCE, STARTED_MODULE, SERVING_ANNOTATION)

@@ -9,7 +9,7 @@ metering window, so the nightly allocation can cost inference per project and mo
 * On Kubernetes the objects labelled ``hybridflow.io/endpoint`` / ``hybridflow.io/version`` in
   ``serving.kubernetes.namespace`` are read: Deployments (``kind: deployment``, stable and canary
   tracks) or ``serving.kserve.io/v1beta1`` InferenceServices (``kind: kserve``: the predictor's
-  replicas, and while a canary is under way the previous revision's as well). Each holds replicas x
+  replicas, and while a canary is under way the rolled-out revision's as well). Each holds replicas x
   GPUs per replica GPUs for the window, at the price of ``serving.kubernetes.node_pool`` in
   clusters.yaml. The API shows only the present: a window that ended longer ago than it lasted is
   skipped with a reason, as the GPU exporters' are.
@@ -155,29 +155,31 @@ def deployment_units(hook: Any, namespace: str) -> list[tuple[str, str, float, s
 
 
 def inference_service_units(hook: Any, namespace: str) -> list[tuple[str, str, float, str]]:
-    """(endpoint, version, GPUs, source) of each labelled InferenceService's predictor: replicas
-    (``minReplicas``, KServe's default 1) x the GPUs of its containers; while a canary takes part of the
-    traffic (``canaryTrafficPercent`` under 100 with a previous revision rolled out), the previous
-    revision holds as much again, costed to the version the serving-version annotation names (else to
-    ``?<revision>``, which no run owns)."""
+    """(endpoint, version, GPUs, source) of each labelled InferenceService: its latest revision runs the
+    version in its labels, replicas (``minReplicas``, KServe's default 1) x the GPUs of the predictor's
+    containers; every other revision in the predictor's traffic table (the rolled-out one while a
+    canary takes its share, even 0 %) holds as much again, costed to the version the serving-version
+    annotation names (else to ``?<revision>``, which no run owns). The spec says only the latest
+    revision's size: the others are taken to be as large."""
     body = hook.custom_object_client.list_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2],
                                                                    label_selector=ENDPOINT_LABEL,
                                                                    _request_timeout=API_TIMEOUT_S)
     out = []
     for isvc in body.get("items") or []:
         labels, name = _get(isvc, "metadata", "labels") or {}, _get(isvc, "metadata", "name")
+        endpoint, version = labels[ENDPOINT_LABEL], labels.get(VERSION_LABEL) or "?"
         predictor = _get(isvc, "spec", "predictor") or {}
         replicas = predictor.get("minReplicas")
         containers = [*(predictor.get("containers") or []), *([predictor["model"]] if predictor.get("model") else [])]
         gpus = float(_limit_gpus(containers) * (1 if replicas is None else int(replicas)))
-        out.append((labels[ENDPOINT_LABEL], labels.get(VERSION_LABEL) or "?", gpus, f"inferenceservice/{name}"))
+        out.append((endpoint, version, gpus, f"inferenceservice/{name}"))
         status = _get(isvc, "status", "components", "predictor") or {}
-        canary = predictor.get("canaryTrafficPercent")
-        previous = status.get("previousRolledoutRevision")
-        if canary is not None and int(canary) < 100 and previous:
-            was = (_get(isvc, "metadata", "annotations") or {}).get(SERVING_VERSION_ANNOTATION)
-            was = was if was and was != labels.get(VERSION_LABEL) else f"?{previous}"
-            out.append((labels[ENDPOINT_LABEL], was, gpus, f"inferenceservice/{name} revision {previous}"))
+        latest = status.get("latestCreatedRevision")
+        serving = (_get(isvc, "metadata", "annotations") or {}).get(SERVING_VERSION_ANNOTATION)
+        others = sorted({t.get("revisionName") for t in status.get("traffic") or []} - {latest, None})
+        for revision in others:
+            was = serving if serving and serving != version else f"?{revision}"
+            out.append((endpoint, was, gpus, f"inferenceservice/{name} revision {revision}"))
     return out
 
 
