@@ -1,6 +1,7 @@
 """The model gateway and blue/green deploys of two example models through one gateway port. Everything
 binds 127.0.0.1; every process a test starts is stopped by pid in a finalizer (``stop_gateway`` for
-deploys)."""
+deploys). The deploys here run the gate and the check after promotion with short windows and bars
+any server meets (:data:`QUICK`); tests/unit/test_serving_canary.py holds the canary and gate tests."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ from tests.support.serving import (  # noqa: F401 (fixture)
 )
 
 from hybridflow.bundle import read_card
+from hybridflow.config import ServingSettings
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.deploy import deploy, endpoint_status, stop_endpoint, stop_gateway
 from hybridflow.serving.server import InputSchema
+
+# Bars any server meets, short windows, all traffic at once: these tests are about the gateway.
+QUICK = {"gate": {"p99_ms": 10_000, "min_rps": 1, "max_p99_regression": 1000, "concurrency": 2, "duration_s": 0.3},
+         "canary": {"steps": [100], "window_s": 0.2, "concurrency": 2}}
 
 
 def _free_port() -> int:
@@ -105,7 +111,8 @@ def gateway(tmp_path_factory):
 def _deploy(assets, gateway, endpoint: str, version: str, bundle_key: str | None = None, log=None) -> dict:  # noqa: F811
     state_root, port = gateway
     return deploy(assets[endpoint][bundle_key or version], version, state_root=state_root, endpoint=endpoint,
-                  port=port, smoke=smoke_data(assets, endpoint), metric=gate_metric(endpoint), log=log)
+                  port=port, smoke=smoke_data(assets, endpoint), metric=gate_metric(endpoint), log=log,
+                  serving=ServingSettings.model_validate({**QUICK, "port": port}))
 
 
 def _ensure_both(assets, gateway) -> None:  # noqa: F811
@@ -130,7 +137,11 @@ def test_two_endpoints_deployed_at_once_share_one_gateway(assets, gateway):  # n
     assert cancer["endpoint_url"] == f"{base}/v1/models/breast-cancer"
     assert digits["smoke_metric"]["name"] == "accuracy" and digits["smoke_metric"]["value"] >= 0.85
     assert cancer["smoke_metric"] == {"name": "roc_auc", "value": cancer["smoke_metric"]["value"], "gate": 0.95}
-    assert cancer["smoke_metric"]["value"] >= 0.95 and 0 < cancer["p50_ms"] <= cancer["p95_ms"]
+    assert cancer["smoke_metric"]["value"] >= 0.95 and 0 < cancer["p50_ms"] <= cancer["p99_ms"]
+    # The gate measured it (nothing served before it) and the check after promotion passed.
+    assert cancer["gate"]["passed"] and cancer["gate"]["serving"] is None and cancer["gate"]["new"]["requests"] > 0
+    assert [(s["percent"], s["passed"]) for s in cancer["canary"]] == [(100, True)]
+    assert (cancer["status"], cancer["rolled_back"], cancer["target"]) == ("deployed", None, "local")
     assert (digits["model"], cancer["model"], cancer["variant"]) == ("digits-mlp", "breast-cancer", "fp16")
 
     for endpoint, version in (("digits", "v1"), ("breast-cancer", "b1")):
@@ -188,7 +199,7 @@ def test_blue_green_replace_keeps_serving_through_the_gateway(assets, gateway): 
 
     # Re-deploying the active version changes nothing and returns the same result.
     messages: list[str] = []
-    assert _deploy(assets, gateway, "digits", "v2", log=messages.append) == second
+    assert _deploy(assets, gateway, "digits", "v2", log=messages.append) == {**second, "status": "kept"}
     assert _running(second["pid"]) and any("nothing to do" in m for m in messages)
 
 

@@ -1,5 +1,6 @@
 """What the local deploy target checks before traffic moves: arguments, readiness, health, the smoke
-test (the model's metric on what the new server answers, against its gate) and the load check."""
+test (the model's metric on what the new server answers, against its gate); the gate's load tests
+are :mod:`hybridflow.serving.rollout`'s."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ from hybridflow.serving.router import ENDPOINT_RE, MODELS_PREFIX
 from hybridflow.serving.schema import MAX_INSTANCES, BadRequest, InputSchema
 
 HOST = "127.0.0.1"
-LOAD_REQUESTS = 200
-LOAD_THREADS = 4
 SMOKE_BATCH = MAX_INSTANCES  # the server's per-request limit
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -173,32 +171,6 @@ def predict(base: str, endpoint: str, rows: list[list[Any]], version: str) -> li
             raise StepFailed(f"POST {url} answered from version {body.get('version')!r}, not {version!r}")
         out.extend(body["predictions"])
     return out
-
-
-def load_check(base: str, endpoint: str, rows: list[list[Any]], version: str) -> tuple[float, float]:
-    """Single-row requests from a few threads; any error fails the deployment."""
-    url = f"{model_url(base, endpoint)}:predict"
-    requests = [rows[i % len(rows)] for i in range(LOAD_REQUESTS)]
-
-    def one(row: list[Any]) -> tuple[float, str | None]:
-        start = time.perf_counter()
-        try:
-            status, body = http_json("POST", url, {"instances": [row]}, timeout=10.0)
-        except OSError as exc:
-            return time.perf_counter() - start, str(exc)
-        elapsed = time.perf_counter() - start
-        if status != 200 or body.get("version") != version:
-            return elapsed, f"HTTP {status} {body}"
-        return elapsed, None
-
-    with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
-        results = list(pool.map(one, requests))
-    errors = [err for _, err in results if err]
-    if errors:
-        raise StepFailed(f"load check: {len(errors)}/{LOAD_REQUESTS} requests failed (error rate must be 0); "
-                         f"first: {errors[0]}")
-    ms = np.asarray([t for t, _ in results]) * 1000.0
-    return round(float(np.percentile(ms, 50)), 3), round(float(np.percentile(ms, 95)), 3)
 
 
 def backend_healthy(active: dict[str, Any], endpoint: str) -> bool:
