@@ -217,6 +217,23 @@ def test_a_canary_failing_at_50_percent_is_rolled_back_to_the_previous_revision(
     assert _answers(isvc["status"]["url"]) == {"v1"}
 
 
+def test_a_version_failing_the_check_after_promotion_gets_the_previous_spec_back(cluster, digits):
+    _deploy(cluster, digits, "v1")
+    cluster.ctrl.faults["v2"] = 100  # fine while it shares the traffic, failing once it has it all
+    with pytest.raises(DeploymentError, match=r"check after promotion.*rolled back, v1 serves all traffic") as failed:
+        _deploy(cluster, digits, "v2")
+    outcome = failed.value.outcome
+    assert [(s["percent"], s["passed"]) for s in outcome["canary"]] == [(10, True), (50, True), (100, False)]
+    assert (outcome["rolled_back"]["step"], outcome["rolled_back"]["serving"]) == ("check after promotion", "v1")
+    # v2 held all traffic until the restored v1 revision was ready, then v1 took it all again.
+    splits = _splits(cluster)
+    assert splits[-2:] == [{"v2": 100}, {"v1": 100}]
+    isvc = _isvc(cluster)
+    assert isvc["metadata"]["annotations"][SERVING_ANNOTATION] == "v1"
+    assert isvc["spec"]["predictor"]["labels"][VERSION_LABEL] == "v1"
+    assert _answers(isvc["status"]["url"]) == {"v1"}
+
+
 def test_redeploying_the_version_serving_changes_nothing(cluster, digits):
     _deploy(cluster, digits, "v1")
     before = _isvc(cluster)
