@@ -142,10 +142,13 @@ def compress(run: Mapping[str, Any], trained: Mapping[str, Any], settings: Setti
 
 def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Settings | None = None) -> dict:
     """Serve the compressed model behind the model's endpoint on the estate's deploy target
-    (``serving.target``), blue/green: locally the smoke test scores the held-out split through the new
-    version's server against the model's gate before any traffic moves; on Kubernetes the canary's
-    readiness probe is the gate."""
+    (``serving.target``): locally the smoke test scores the held-out split through the new version's
+    server against the model's gate, and the load-test gate (``serving.gate``) compares it with the
+    serving version, before any traffic moves; traffic then moves in ``serving.canary.steps``, each
+    step judged, rolled back on a failure. On Kubernetes the canary's readiness probe is the gate.
+    What the deploy measured and did goes to the run's ``deploy.json`` whether it succeeded or not."""
     from hybridflow.bundle import read_card
+    from hybridflow.errors import DeploymentError
     from hybridflow.serving import deploy_target
     from hybridflow.serving.base import DeployRequest, roll
 
@@ -165,8 +168,17 @@ def deploy(run: Mapping[str, Any], compressed: Mapping[str, Any], settings: Sett
 
     target = deploy_target(estate, model.endpoint, state_dir=settings.state_dir, log=log)
     started = time.monotonic()
-    result = roll(target, DeployRequest(run["run_key"], bundle, variant=compressed["selected"], metric=card.metric,
-                                        smoke=smoke))
+    outcome_path = run_dir(settings.private_root, run["run_key"]) / "deploy.json"
+    try:
+        result = roll(target, DeployRequest(run["run_key"], bundle, variant=compressed["selected"],
+                                            metric=card.metric, smoke=smoke))
+    except DeploymentError as exc:  # recorded for the run's page; the error stands
+        outcome = exc.outcome or {"endpoint": model.endpoint, "version": run["run_key"], "target": target.name,
+                                  "status": "rolled_back",
+                                  "rolled_back": {"step": None, "reason": str(exc), "serving": None}}
+        write_json_atomic(outcome_path, {**outcome, "error": str(exc)})
+        raise
+    write_json_atomic(outcome_path, result)
     return {**result, "deployed": True, "seconds": round(time.monotonic() - started, 3)}
 
 

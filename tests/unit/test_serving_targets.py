@@ -19,9 +19,10 @@ from hybridflow.serving.k8s import KubernetesTarget
 from hybridflow.settings import REPO_ROOT
 
 
-@pytest.mark.parametrize("name", ["kserve", "Local", "", None])
+@pytest.mark.parametrize("name", ["inferenceservice", "Local", "", None])
 def test_an_unknown_target_is_refused_naming_the_field_and_the_valid_names(name):
-    with pytest.raises(ConfigError, match=r"^serving\.target: .* is not a deploy target; use one of: kubernetes, local$"):
+    names = ", ".join(sorted(DEPLOY_TARGETS))
+    with pytest.raises(ConfigError, match=rf"^serving\.target: .* is not a deploy target; use one of: {names}$"):
         target_class(name)
 
 
@@ -47,8 +48,8 @@ def test_the_estate_without_an_inference_pool_deploys_locally(tmp_path):
     assert isinstance(target, LocalTarget)
     assert (target.state_root, target.endpoint, target.port) == (tmp_path / "serving", "digits",
                                                                   estate.pipeline.serving.port)
-    with pytest.raises(ConfigError, match="serving.target: 'kserve'"):
-        deploy_target(estate, "digits", state_dir=tmp_path, name="kserve")
+    with pytest.raises(ConfigError, match="serving.target: 'inferenceservice'"):
+        deploy_target(estate, "digits", state_dir=tmp_path, name="inferenceservice")
     # Naming the kubernetes target without its pool says what is missing.
     with pytest.raises(ConfigError, match="^serving.kubernetes: not set"):
         deploy_target(estate, "digits", state_dir=tmp_path, name="kubernetes")
@@ -143,3 +144,55 @@ def test_a_bad_request_stops_before_anything_is_looked_at():
     with pytest.raises(DeploymentError, match="prepare failed"):
         roll(target, DeployRequest("v1"))
     assert target.calls == ["prepare"]
+
+
+class _Scripted(_Recorder):
+    """A local-looking target whose roll result, or failure, is given."""
+
+    name = "local"
+
+    def __init__(self, outcome: dict[str, Any], error: str | None) -> None:
+        super().__init__(None)
+        self.outcome, self.error = outcome, error
+
+    def check(self, staged: _Green) -> None:
+        if self.error:
+            raise DeploymentError(self.error, outcome=self.outcome)
+
+    def rollback(self, staged: _Green, error: BaseException) -> Exception | None:
+        return None
+
+    def result(self, staged: _Green) -> dict[str, Any]:
+        return self.outcome
+
+
+@pytest.mark.parametrize("error", [None, "the gate: p99 9.0 ms is above the gate's 1 ms (serving.gate.p99_ms)"])
+def test_the_deploy_step_writes_its_outcome_for_the_run_page_whether_it_deployed_or_not(tmp_path, monkeypatch, error):
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from tests.support.bundles import card
+
+    from hybridflow import bundle, pipeline, serving
+    from hybridflow.runs import run_dir
+
+    shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(tmp_path / "config"))
+    run = {"run_key": "hybrid-training-outcome"}
+    monkeypatch.setattr(pipeline, "_admitted", lambda r: SimpleNamespace(deploy=True, model="digits-mlp"))
+    c = card("digits-mlp", variant="fp32", version=run["run_key"])
+    bundle_dir = bundle.write_bundle(tmp_path / "b", bundle.serialise_state(bundle.build_module(c)), c)
+    outcome = {"endpoint": "digits", "version": run["run_key"], "status": "rolled_back" if error else "deployed",
+               "gate": {"passed": not error, "reasons": [error] if error else []}}
+    monkeypatch.setattr(serving, "deploy_target", lambda *a, **k: _Scripted(outcome, error))
+    if error:
+        with pytest.raises(DeploymentError, match="the gate: p99"):  # the error stands
+            pipeline.deploy(run, {"bundle": str(bundle_dir), "selected": "fp32"})
+    else:
+        assert pipeline.deploy(run, {"bundle": str(bundle_dir), "selected": "fp32"})["deployed"] is True
+    from hybridflow.settings import get_settings
+
+    written = json.loads((run_dir(get_settings().private_root, run["run_key"]) / "deploy.json").read_text())
+    assert written == ({**outcome, "error": error} if error else outcome)
