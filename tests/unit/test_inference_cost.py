@@ -289,7 +289,12 @@ def test_the_costs_page_shows_the_inference_lines_of_the_latest_day(tmp_path):
     assert f"<td>{UNATTRIBUTED}</td>" in html and "inference in all</th><th>27.40</th>" in html
 
 
-def test_the_meter_reads_the_labels_and_the_process_the_deploy_targets_write():
+def test_the_meter_reads_the_labels_and_the_process_the_deploy_targets_write(tmp_path):
+    from hybridflow.serving.deploy import _ready_file
+
+    # A local server is told by its command line: the ready file the deploy passed it is its record's sibling.
+    record = tmp_path / "digits" / "versions" / "run.v1.2.json"
+    assert _ready_file(tmp_path / "digits", "run.v1.2") == record.with_suffix(".ready")
     assert (meter.ENDPOINT_LABEL, meter.VERSION_LABEL, meter.GPU_RESOURCE, meter.SERVER_MODULE,
             meter.SERVING_VERSION_ANNOTATION) == (k8s_manifests.ENDPOINT_LABEL, k8s_manifests.VERSION_LABEL,
                                                   k8s_manifests.GPU_RESOURCE, STARTED_MODULE, SERVING_ANNOTATION)
