@@ -12,7 +12,10 @@ What KServe (Serverless mode, over Knative) does, as far as a deploy sees it:
 - a revision's predictor container runs as a local process (the container command with ``python``
   this machine's model-server interpreter, the models volume's mount the local models folder, a free
   loopback port, a ready file) and is Ready once its server listens and ``ready_delay_s`` has passed;
-  a process that exits before is a failed revision (condition ``RevisionFailed``);
+  a process that exits before is a failed revision (condition ``RevisionFailed``). With
+  ``processes=False`` an in-process stand-in answers for the container instead (the model server's
+  HTTP API over the same bundle, through :class:`hybridflow.bundle.Predictor`), ready at once: for
+  tests that cannot wait seconds for each model server to start;
 - traffic: without ``canaryTrafficPercent`` the latest revision takes everything once ready and becomes
   the rolled-out one; with it, the latest ready revision takes that share and the rolled-out revision
   the rest (0: the rolled-out revision everything); a revision that is not ready takes none;
