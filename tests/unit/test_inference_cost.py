@@ -298,3 +298,35 @@ def test_the_meter_reads_the_labels_and_the_process_the_deploy_targets_write(tmp
     assert (meter.ENDPOINT_LABEL, meter.VERSION_LABEL, meter.GPU_RESOURCE, meter.SERVER_MODULE,
             meter.SERVING_VERSION_ANNOTATION) == (k8s_manifests.ENDPOINT_LABEL, k8s_manifests.VERSION_LABEL,
                                                   k8s_manifests.GPU_RESOURCE, STARTED_MODULE, SERVING_ANNOTATION)
+
+
+def test_a_training_runs_cost_page_shows_what_its_model_version_cost_to_serve(tmp_path):
+    from hybridflow.ledger.allocation import REPORTS, write_files
+    from hybridflow.records import write_record
+    from hybridflow.runs import RunIdentity
+    from hybridflow.storage.objectstore import LocalObjectStore
+    from hybridflow.ui.costs import add_cost_pages
+
+    run_id = "manual__2026-11-02T10:00:00+00:00"
+    version = RunIdentity("hybrid_training", run_id).run_key  # what a pipeline deploy names the version
+    private = tmp_path / "private"
+    write_record(private, {"run_key": version, "dag_id": "hybrid_training", "run_id": run_id, "project": "digits-ocr",
+                           "team": "vision", "gpu_hours": 1.0, "price_per_gpu_hour": 1.2, "model_version": version,
+                           "recorded_at": "2026-11-02T12:00:00+00:00"})
+
+    def line(day: str, v: str, hours: float) -> dict:
+        return {"day": day, "project": "digits-ocr", "team": "vision", "model": "digits-cnn", "endpoint": "digits",
+                "version": v, "cluster": "local", "unit": "slot", "unit_hours": hours, "usd_per_unit_hour": 0.5,
+                "cost_usd": hours * 0.5}
+
+    store = LocalObjectStore(private)
+    write_files(store, f"{REPORTS.as_posix()}/2026-11-02", [], [], [], [line("2026-11-02", version, 12.0)])
+    write_files(store, f"{REPORTS.as_posix()}/2026-11-03", [], [], [],
+                [line("2026-11-03", version, 10.0), line("2026-11-03", "another-version", 14.0)])
+    app = FastAPI()
+    add_cost_pages(app, private_root=private, config_dir=REPO_ROOT / "config", store_factory=lambda: None,
+                   today=lambda: date(2026, 11, 4), authorize=False)
+    html = TestClient(app).get(f"/costs/runs/hybrid_training/{run_id}").text
+    assert "Inference cost of its model version" in html
+    assert "<tr><td>2026-11-02</td><td>digits</td><td>local</td><td>slot</td><td>12.00</td><td>6.0000</td></tr>" in html
+    assert "<td>2026-11-03</td>" in html and "inference in all</th><th>11.0000</th>" in html  # not another-version's

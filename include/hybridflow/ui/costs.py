@@ -190,7 +190,36 @@ def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_
         "dag_id": dag_id, "run_id": run_id, "record": record, "period": period, "budget": budget,
         "cost_usd": round(price * hours, 4) if price is not None and hours is not None else None,
         "allocated": allocated_attempts(private_root, record),
+        # A pipeline deploy serves the run's model as version run_key, once the run has trained it.
+        "inference": version_inference(private_root, run_key, (_record_days(record) or [None])[0]),
     }
+
+
+def version_inference(private_root: Path, version: str, since: str | None = None) -> list[dict[str, Any]]:
+    """The inference cost lines of model version ``version`` (a deploy's run_key) on every allocated day
+    from ``since`` (an ISO day) on."""
+    import pyarrow.parquet as pq
+
+    base = private_root / ALLOCATION_REPORTS
+    out: list[dict[str, Any]] = []
+    for path in sorted(base.glob(f"*/{INFERENCE_FILE}")) if base.is_dir() else []:
+        if (since and path.parent.name < since) or "version" not in pq.read_schema(path).names:
+            continue
+        out += pq.read_table(path, filters=[("version", "==", version)]).to_pylist()
+    return out
+
+
+def render_version_inference(lines: list[dict[str, Any]]) -> str:
+    if not lines:
+        return ("<p class='muted'>No inference cost: no night has allocated a day this run's model version "
+                "served on.</p>")
+    rows = "".join(
+        f"<tr><td>{escape(x['day'])}</td><td>{escape(x['endpoint'])}</td><td>{escape(x['cluster'])}</td>"
+        f"<td>{'GPU' if x['unit'] == 'gpu' else escape(x['unit'])}</td><td>{x['unit_hours']:,.2f}</td>"
+        f"<td>{x['cost_usd']:,.4f}</td></tr>" for x in lines)
+    total = sum(x["cost_usd"] for x in lines)
+    return ("<table><tr><th>day</th><th>endpoint</th><th>cluster</th><th>unit</th><th>unit-hours</th>"
+            f"<th>cost (USD)</th></tr>{rows}<tr><th colspan='5'>inference in all</th><th>{total:,.4f}</th></tr></table>")
 
 
 def render_allocated(attempts: list[dict[str, Any]]) -> str:
@@ -233,6 +262,7 @@ def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
         ("budget override", rec.get("budget_override")),
     ]))
     parts.append("<h2>Allocated by the nightly cost allocation</h2>" + render_allocated(view.get("allocated") or []))
+    parts.append("<h2>Inference cost of its model version</h2>" + render_version_inference(view.get("inference") or []))
     parts.append(f"<h2>Budget of {escape(str(rec.get('project')))} for {escape(view['period'])}</h2>")
     if view["budget"]:
         parts.append(render_budgets([view["budget"]], view["period"]))
