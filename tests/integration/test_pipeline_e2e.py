@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.support.deploy_settings import quick_serving
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -42,6 +43,7 @@ def estate(tmp_path_factory):
         shutil.copy(f, config / f.name)
     pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
     pipeline["serving"]["port"] = _free_port()
+    quick_serving(pipeline)  # short gate and canary windows: each deploy measures for seconds
     (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
     env = {**os.environ, "HYBRIDFLOW_HOME": str(home), "HYBRIDFLOW_CONFIG_DIR": str(config)}
     subprocess.run([BIN / "hybridflow", "dev", "up"], env=env, check=True, timeout=300)

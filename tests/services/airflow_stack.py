@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from tests.support.deploy_settings import quick_serving
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -35,13 +36,15 @@ def free_port() -> int:
 
 
 def config_copy(root: Path) -> Path:
-    """The shipped config under ``root``, with a free serving port (the endpoint binds it)."""
+    """The shipped config under ``root``, with a free serving port (the endpoint binds it) and the quick
+    gate and canary of tests.support.deploy_settings."""
     import yaml
 
     config = root / "config"
     shutil.copytree(REPO / "config", config)
     pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
     pipeline["serving"]["port"] = free_port()
+    quick_serving(pipeline)  # short gate and canary windows: each deploy measures for seconds
     (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
     return config
 
