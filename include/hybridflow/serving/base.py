@@ -13,9 +13,9 @@ on every target:
    no traffic or a canary's share;
 4. :meth:`~DeployTarget.check` must pass before traffic moves (readiness, health, smoke and load);
 5. :meth:`~DeployTarget.shift` moves traffic to green, once per step of :meth:`~DeployTarget.steps`
-   (100: green takes everything; an InferenceService canary would step e.g. 10, 50, 100), each step
-   with its own check;
-6. :meth:`~DeployTarget.retire` stops blue once green serves everything.
+   (``serving.canary.steps``, e.g. 10, 50, 100; 100: green takes everything), each step with its
+   own check; the check of the last step is the check after promotion, blue still running;
+6. :meth:`~DeployTarget.retire` stops blue once green serves everything and passed that check.
 
 A failure in 4 or 5 calls :meth:`~DeployTarget.rollback`, which puts blue back in front and stops
 green; blue keeps serving throughout.
