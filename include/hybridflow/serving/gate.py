@@ -54,7 +54,7 @@ def judge_gate(new: Figures, serving: Figures | None, gate: GateSettings) -> lis
                        + _beside(serving, other, f"{serving.p99_ms:.1f} ms" if serving else ""))
     if new.rps < gate.min_rps:
         reasons.append(f"throughput {new.rps:.1f} requests/s is below the gate's {gate.min_rps:g} requests/s "
-                       f"(serving.gate.min_rps)" + _beside(serving, other, f"{serving.rps:.1f}" if serving else ""))
+                       f"(serving.gate.min_rps)" + _beside(serving, other, f"{serving.rps:.1f} requests/s" if serving else ""))
     if new.error_rate > gate.max_error_rate:
         reasons.append(f"error rate {_errors(new)} is above the gate's {_pct(gate.max_error_rate)} "
                        f"(serving.gate.max_error_rate)" + _beside(serving, other, _errors(serving) if serving else ""))
