@@ -95,6 +95,7 @@ def _predict_timed(base: str, rows: list) -> float:
 
 def _heard(sock: socket.socket) -> bool:
     """Whether the server has answered or closed (without consuming what it sent)."""
+    timeout = sock.gettimeout()
     sock.setblocking(False)
     try:
         sock.recv(1, socket.MSG_PEEK)
@@ -104,7 +105,7 @@ def _heard(sock: socket.socket) -> bool:
     except OSError:
         return True  # reset
     finally:
-        sock.setblocking(True)
+        sock.settimeout(timeout)
 
 
 @pytest.mark.parametrize("part", ["body", "headers"])
@@ -130,6 +131,8 @@ def test_a_client_sending_one_byte_a_second_is_cut_off_while_others_are_answered
             raw = sock.recv(65536)
         except ConnectionResetError:
             raw = b""
+        except TimeoutError:
+            raw = None  # still open, nothing said
     assert i < len(slowly) - 1, "the slow client sent its whole request"
     assert cut_after < TIMEOUT_S + 2, f"cut off after {cut_after:.1f} s"
     if part == "body":  # the request had started: it is answered
