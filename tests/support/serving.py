@@ -26,13 +26,14 @@ MODELS = {"digits": "digits-mlp", "breast-cancer": "breast-cancer"}  # endpoint 
 
 
 def http_call(method: str, url: str, body=None, raw: bytes | None = None, timeout: float = 10.0):
+    """(status, JSON body, headers); header names match in any case, as in HTTP."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
+            return resp.status, json.loads(resp.read()), resp.headers
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read()), dict(exc.headers)
+        return exc.code, json.loads(exc.read()), exc.headers
 
 
 def predict_url(base: str, endpoint: str) -> str:

@@ -82,9 +82,7 @@ class Bounds:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                # Header names as clients that index a plain dict expect them (X-Model-Version, Allow).
-                headers = [(name.title(), value) for name, value in message.get("headers", [])]
-                message = {**message, "headers": [*headers, (b"X-Model-Version", self.version)]}
+                message = {**message, "headers": [*message.get("headers", []), (b"x-model-version", self.version)]}
             await send(message)
 
         async def answer(status: int, error: str) -> None:
@@ -287,9 +285,12 @@ def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: in
 def _header_deadline(timeout_s: float) -> type:
     """uvicorn's HTTP/1.1 protocol closing a connection whose request line and headers are not complete
     within ``timeout_s`` of its start or of its last answer (a client trickling its headers)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    try:  # the C parser where it is installed (uvicorn[standard], as KServe's requirements have it)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
 
-    class Protocol(H11Protocol):
+    class Protocol(Base):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
@@ -345,7 +346,14 @@ def run_server(predictor: Any, endpoint: str, version: str, *, port: int, host: 
               file=sys.stderr, flush=True)
 
     try:
-        asyncio.run(_serve(app, sock, settings.get("request_timeout_s", 10), ready))
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(_serve(app, sock, settings.get("request_timeout_s", 10), ready))
     finally:
         sock.close()
 
