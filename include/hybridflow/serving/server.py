@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -334,6 +335,13 @@ def run_server(predictor: Any, endpoint: str, version: str, *, port: int, host: 
                ready_file: Path | None = None, **settings: Any) -> None:
     """Serve until SIGTERM/SIGINT; ``settings``: :func:`build_app`'s bounds and batching."""
     app, _batcher = build_app(predictor, endpoint, version, **settings)
+    # What loading made (torch, KServe, pandas) lives as long as the process: kept out of the collector's
+    # sight, and the young generation collected after 20k allocations rather than 700. Under 64 concurrent
+    # clients the defaults stalled every request in flight for 200-300 ms a few times a second (p99
+    # 290 ms against 33 ms); cyclic garbage is still collected.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 50)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
