@@ -353,6 +353,11 @@ def run_server(predictor: Any, endpoint: str, version: str, *, port: int, host: 
         print(f"serving {endpoint} version {version} on http://{host}:{bound}{MODELS_PREFIX}{endpoint}",
               file=sys.stderr, flush=True)
 
+    from hybridflow.signals import stop_on_signals
+
+    # uvicorn stops gracefully on SIGTERM/SIGINT, then hands the signal to the handler it found: this
+    # one ends the process with status 0 (also when started with SIGINT ignored, from a background shell).
+    stop_on_signals()
     try:
         import uvloop
 
