@@ -43,9 +43,14 @@ def _pins(requirements: Path) -> dict[str, str]:
     return pins
 
 
+# Modules that run only in the model server's environment (.venv-serve, requirements-serve.txt).
+SERVE_ONLY = {REPO / "include" / "hybridflow" / "serving" / "server.py"}
+
+
 def _imported_modules() -> set[str]:
-    """Dotted names imported anywhere in the product (absolute imports only)."""
-    return {name for top in PRODUCT for path in (REPO / top).rglob("*.py") for name in imported_modules(path)}
+    """Dotted names imported anywhere in the product (absolute imports only), but for SERVE_ONLY."""
+    return {name for top in PRODUCT for path in (REPO / top).rglob("*.py") if path not in SERVE_ONLY
+            for name in imported_modules(path)}
 
 
 def _distribution(module: str, installed: dict[str, list[str]]) -> str | None:
@@ -79,6 +84,15 @@ def test_every_imported_distribution_is_declared_in_requirements_in():
         if dist and dist not in declared:
             missing.setdefault(dist, module)
     assert not missing, f"imported but not declared in requirements.in (add them there): {missing}"
+
+
+def test_the_model_server_imports_only_what_its_environment_pins():
+    serve = _pins(REPO / "requirements-serve.txt") | _pins(REPO / "requirements-torch.txt")  # torch goes in first
+    assert "kserve" in _names(REPO / "requirements-serve.in") and "kserve" in serve
+    tops = {name.split(".")[0] for path in SERVE_ONLY for name in imported_modules(path)}
+    third_party = {_norm(t) for t in tops if t not in sys.stdlib_module_names and t not in FIRST_PARTY}
+    assert third_party and not third_party - set(serve), \
+        f"serving/server.py imports what requirements-serve.txt does not pin: {sorted(third_party - set(serve))}"
 
 
 def test_the_image_requirements_hold_no_test_or_benchmark_tool():
