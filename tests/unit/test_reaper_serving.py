@@ -75,6 +75,23 @@ def test_local_versions_off_the_active_one_are_stopped_and_removed(tmp_path, ser
     assert finder.find(NOW) == []
 
 
+def test_a_canary_the_gateway_still_routes_to_is_kept(tmp_path, servers):
+    """A deployer that died mid-canary leaves active.json naming the canary and its share: the gateway
+    still sends it that share, so it is routed, not a leftover."""
+    edir = tmp_path / "serving" / "digits"
+    stable, canary = servers(edir, "v1"), servers(edir, "v2")
+    _version(edir, "v1", stable, "active")
+    _version(edir, "v2", canary, "starting")
+    (edir / "active.json").write_text(json.dumps({"version": "v1", "pid": stable,
+                                                  "canary": {"version": "v2", "pid": canary, "percent": 10}}))
+    finder = LocalServingFinder("serving", tmp_path / "serving")
+    assert finder.find(NOW) == []
+    with pytest.raises(DeploymentError, match="kept"):
+        finder.release(Leftover("serving", "serving-version", "digits/v2",
+                                detail={"endpoint": "digits", "version": "v2", "pid": canary}))
+    assert alive(canary) and alive(stable)
+
+
 def test_an_endpoint_a_deploy_holds_is_not_touched(tmp_path, servers):
     edir = tmp_path / "serving" / "ranker"
     staging = servers(edir, "v9")

@@ -102,10 +102,11 @@ class LocalServingFinder(Finder):
         out = []
         for path in sorted((edir / "versions").glob("*.json")):
             version, record = path.stem, read_json(path) or {}
-            if version == active.get("version") or not _VERSION_FILE_RE.match(version):
+            canary = active.get("canary") or {}  # a canary the gateway still sends a share to is routed
+            if version in (active.get("version"), canary.get("version")) or not _VERSION_FILE_RE.match(version):
                 continue
             pid = record.get("pid")
-            if pid and pid == active.get("pid"):
+            if pid and pid in (active.get("pid"), canary.get("pid")):
                 continue
             running = bool(pid) and is_ours(pid, SERVER_MODULE, _ready_marker(edir, version)) and alive(pid)
             changed = datetime.fromtimestamp(path.stat().st_mtime, UTC)
@@ -129,7 +130,7 @@ class LocalServingFinder(Finder):
         try:
             with _unless_deploying(edir):
                 active = read_json(edir / ACTIVE_FILE) or {}
-                if version == active.get("version"):
+                if version in (active.get("version"), (active.get("canary") or {}).get("version")):
                     raise DeploymentError(f"{endpoint} version {version} became active since it was found; kept")
                 marker = _ready_marker(edir, version)
                 record = read_json(edir / "versions" / f"{version}.json") or {}
