@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from hybridflow.errors import DeploymentError
 from hybridflow.reaper.base import Leftover
 from hybridflow.reaper.serving import KubernetesServingFinder, LocalServingFinder
 from hybridflow.serving.deploy import SERVER_MODULE
-from hybridflow.serving.processes import alive
+from hybridflow.serving.processes import alive, cmdline
 
 NOW = datetime.now(UTC)
 OLD = (NOW - timedelta(days=3)).timestamp()
@@ -34,6 +35,9 @@ def servers():
         args = [sys.executable, "-c", "import time; time.sleep(120)", SERVER_MODULE,
                 str(edir / "versions" / f"{version}.ready")]
         started.append(subprocess.Popen(args, stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + 10  # for a moment after the spawn /proc shows no command line yet
+        while SERVER_MODULE not in cmdline(started[-1].pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return started[-1].pid
 
     yield start
