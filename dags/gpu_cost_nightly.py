@@ -5,12 +5,15 @@ For the day before (the run's data interval; backfill with `airflow backfill cre
 gpu_cost_nightly --from-date ... --to-date ...`, or trigger with the `day` Param) this allocates every
 training attempt's GPU-hours and cost to its project, team, cluster, GPU model and pricing class, with
 utilisation-weighted effective GPU-hours, waste flags, GPU-hours lost to preemption and the idle cost of
-owned capacity billed to the teams whose guaranteed share it was.
+owned capacity billed to the teams whose guaranteed share it was. Inference is costed too: the serving
+meter's samples (model server slots, serving replicas x GPUs) become inference cost per project and
+model version.
 
 First, run records in private storage that the ledger does not hold yet (written before it, or while
 it was unreachable) are ingested (`hybridflow ledger sync` does the same by hand).
 
-Output: the `allocation` and `idle_allocation` tables of the ledger, CSV/Parquet files and an HTML report
+Output: the `allocation`, `idle_allocation` and `inference_allocation` tables of the ledger, CSV/Parquet
+files (`inference.csv/.parquet` among them) and an HTML report
 under `private/reports/allocation/<day>/` (*Browse → GPU costs & budgets*). Each run emits the
 `hybridflow://ledger/allocations` asset with extra `{"day": ...}`, which triggers `gpu_budgets`.
 
