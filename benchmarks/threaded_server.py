@@ -1,6 +1,7 @@
 """The model server as it was before the KServe one: ``http.server.ThreadingHTTPServer``, a thread per
-connection, one forward pass per request. Kept only as the reference ``benchmarks/serving.py`` measures
-the KServe server against, in the same run.
+connection, one forward pass per request, Nagle left on. Kept only as the reference
+``benchmarks/serving.py`` measures the KServe server against, in the same run; it checks requests
+with the model server's own input schema.
 
     python benchmarks/threaded_server.py --bundle DIR --endpoint NAME --version V --port P [--ready-file F]
 
@@ -20,124 +21,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
+from hybridflow.serving.schema import MAX_INSTANCES, BadRequest
+from hybridflow.serving.schema import InputSchema as _Schema
 
 HOST = "127.0.0.1"
-MAX_INSTANCES = 1024
 MIN_BODY_BYTES = 4 * 1024 * 1024
 BODY_BYTES_PER_VALUE = 64  # a value, its JSON punctuation and (object form) its column name
 MODELS_PREFIX = "/v1/models/"
 
 
-class BadRequest(ValueError):
-    """Input the client must fix; the message is returned as the 400 body."""
-
-
-def _fmt(value: float) -> str:
-    return f"{value:g}"
-
-
-class InputSchema:
-    """The signature's input columns, and the check of request instances against them."""
-
-    def __init__(self, signature: Mapping[str, Any]) -> None:
-        from hybridflow.registry import Signature
-
-        sig = Signature.model_validate(signature)
-        self.columns = [(name, col.type, col.min, col.max) for name, col in sig.input_columns]
-        self.names = [name for name, *_ in self.columns]
-        self.index = {name: i for i, name in enumerate(self.names)}
-
-    @property
-    def width(self) -> int:
-        return len(self.columns)
+class InputSchema(_Schema):
+    """The signature's input columns (the model server's own check), with the old server's body limit."""
 
     @property
     def max_body_bytes(self) -> int:
         return max(MIN_BODY_BYTES, MAX_INSTANCES * self.width * BODY_BYTES_PER_VALUE)
-
-    def _order(self) -> str:
-        shown = ", ".join(self.names[:3])
-        return f"{shown}, ... {self.names[-1]}" if self.width > 4 else ", ".join(self.names)
-
-    def _value(self, i: int, column: int, value: Any) -> float:
-        name, kind, lo, hi = self.columns[column]
-        at = f"instances[{i}] column {name}"
-        if kind == "bool":
-            if not isinstance(value, bool):
-                raise BadRequest(f"{at} = {value!r} is not a boolean; send true or false")
-            return 1.0 if value else 0.0
-        wanted = "a whole number" if kind == "int" else "a number"
-        # bool is an int subclass, but true/false are not numbers for a numeric input.
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise BadRequest(f"{at} = {json.dumps(value)[:40]} is not a number; send {wanted} (a JSON number)")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise BadRequest(f"{at} = {value!r:.40} is not finite; send a finite number")
-        if kind == "int" and not number.is_integer():
-            raise BadRequest(f"{at} = {value!r} is not a whole number; this input is an int, send e.g. {round(number)}")
-        if lo is not None and number < lo:
-            raise BadRequest(f"{at} = {value!r} is below the minimum {_fmt(lo)}; send values >= {_fmt(lo)}")
-        if hi is not None and number > hi:
-            raise BadRequest(f"{at} = {value!r} is above the maximum {_fmt(hi)}; send values <= {_fmt(hi)}")
-        return number
-
-    def _row(self, i: int, row: Any) -> list[float]:
-        if isinstance(row, list):
-            if len(row) != self.width:
-                raise BadRequest(
-                    f"instances[{i}] has {len(row)} values; send {self.width} in the signature's order "
-                    f"({self._order()}) or an object {{column: value}}"
-                )
-            return [self._value(i, j, v) for j, v in enumerate(row)]
-        if isinstance(row, dict):
-            unknown = [k for k in row if k not in self.index]
-            if unknown:
-                shown = ", ".join(map(str, unknown[:5]))
-                raise BadRequest(f"instances[{i}] has unknown column(s) {shown}; the inputs are {self._order()}")
-            if len(row) != self.width:
-                missing = [n for n in self.names if n not in row]
-                shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-                raise BadRequest(f"instances[{i}] is missing column(s) {shown}; send every input column")
-            return [self._value(i, self.index[name], value) for name, value in row.items()]
-        raise BadRequest(
-            f"instances[{i}] is a {type(row).__name__}; send a list of {self.width} values "
-            "or an object {column: value}"
-        )
-
-    def parse(self, payload: Any) -> np.ndarray:
-        """A predict body -> float32 ``[n, width]`` in signature order; BadRequest says what to fix."""
-        if not isinstance(payload, dict) or "instances" not in payload:
-            raise BadRequest('body must be a JSON object {"instances": [row, ...]}')
-        rows = payload["instances"]
-        if not isinstance(rows, list) or not rows:
-            raise BadRequest('"instances" must be a non-empty list of rows')
-        if len(rows) > MAX_INSTANCES:
-            raise BadRequest(f'"instances" has {len(rows)} rows; at most {MAX_INSTANCES} per request, split the batch')
-        out = np.empty((len(rows), self.width), dtype=np.float32)
-        for i, row in enumerate(rows):
-            values = self._row(i, row)
-            if isinstance(row, dict):  # object form: place each value in its column
-                out[i, [self.index[name] for name in row]] = values
-            else:
-                out[i] = values
-        return out
-
-    def instances(self, x: np.ndarray) -> list[list[Any]]:
-        """Rows of ``x`` (signature order) as a client sends them: ints, booleans and floats as JSON."""
-        casts = [bool if kind == "bool" else int if kind == "int" else float for _, kind, _, _ in self.columns]
-        return [[cast(v) for cast, v in zip(casts, row, strict=True)] for row in np.asarray(x).tolist()]
 
 
 def routes(endpoint: str) -> str:
