@@ -30,12 +30,33 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
             problems.append(f"{at}.cache: a public cluster needs cache: {{conn_id, bucket}} to stage data into")
         problems += _check_checkpoint_places(at, c)
         problems += _check_node_pools(at, c, pf)
+        problems += _check_role(at, c)
     if not any(c.location == "private" for c in cf.clusters.values()):
         problems.append(
             "clusters: no cluster has location: private; add at least one (restricted data may only run there)"
         )
+    if all(c.is_dr for c in cf.clusters.values()):
+        problems.append("clusters: every cluster has role: dr; normal work needs a primary or elastic cluster")
     # One missing price is reported once even when several pools need it.
     return list(dict.fromkeys(f"{path}: {p}" for p in problems))
+
+
+def _check_role(at: str, c: Cluster) -> list[str]:
+    """A dr cluster says its takeover scale (within its pools) and, if public, why; others have no dr block."""
+    if not c.is_dr:
+        return [] if c.dr is None else [f"{at}.dr: only for role: dr (the cluster's role is {c.role}); remove it"]
+    if c.dr is None:
+        return [f"{at}.dr: a role: dr cluster needs dr: {{min_gpus: N}}, the GPUs of its minimum takeover scale"]
+    problems: list[str] = []
+    if c.dr.min_gpus > c.total_gpus:
+        problems.append(f"{at}.dr.min_gpus: {c.dr.min_gpus} GPUs, but the cluster's node pools hold "
+                        f"{c.total_gpus}; lower min_gpus or add the GPUs to node_pools")
+    if not c.is_private and c.dr.public_reason is None:
+        problems.append(f"{at}.dr.public_reason: a dr cluster on location: public must say why (restricted data "
+                        "can never fail over there); add public_reason or use a private cluster")
+    if c.is_private and c.dr.public_reason is not None:
+        problems.append(f"{at}.dr.public_reason: only for a dr cluster on location: public; remove it")
+    return problems
 
 
 def _check_backend(at: str, c: Cluster) -> list[str]:

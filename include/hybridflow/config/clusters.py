@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from hybridflow.config.base import _Model
 
@@ -35,8 +35,28 @@ class CacheConfig(_Model):
 CheckpointPlace = Literal["private", "cache", "scratch"]
 
 
+# What a cluster is for: primary (the main platform), elastic (capacity rented to absorb peaks) or dr
+# (the disaster-recovery pool, kept for a takeover when a primary is down).
+ClusterRole = Literal["primary", "elastic", "dr"]
+RunPriority = Literal["critical", "normal", "batch"]
+
+
+class DrSettings(_Model):
+    """What a ``role: dr`` cluster must offer in a takeover, and the work it may take meanwhile."""
+
+    # GPUs the pool must hold to run the minimum service in a takeover (at most what its pools hold).
+    min_gpus: int = Field(gt=0)
+    # Run priorities placement may send here while no cluster is down, so the pool is used every day.
+    peacetime: list[RunPriority] = Field(default_factory=list)
+    # A dr cluster on a public location must say why that is acceptable (restricted data never moves there).
+    public_reason: str | None = Field(default=None, min_length=1)
+
+
 class Cluster(_Model):
     location: Literal["private", "public"]
+    # Default: primary for private clusters, elastic for public ones.
+    role: ClusterRole = "primary"
+    dr: DrSettings | None = None  # role dr only
     region: str = Field(min_length=1)
     # The legal area the region is in (e.g. eu, us): a dataset's ``regions`` may name either.
     jurisdiction: str | None = Field(default=None, min_length=1)
@@ -60,6 +80,21 @@ class Cluster(_Model):
     scratch_dir: str | None = Field(default=None, min_length=1)
 
     _name: str = PrivateAttr(default="")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_role(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "role" not in data and data.get("location") == "public":
+            return {**data, "role": "elastic"}
+        return data
+
+    @property
+    def is_dr(self) -> bool:
+        return self.role == "dr"
+
+    def peacetime_allows(self, priority: str) -> bool:
+        """Whether a run of ``priority`` may be placed here while no cluster is down."""
+        return not self.is_dr or (self.dr is not None and priority in self.dr.peacetime)
 
     @property
     def name(self) -> str:

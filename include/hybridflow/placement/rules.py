@@ -5,6 +5,8 @@ The estate is one logical pool over labelled clusters. Each cluster is assessed 
 
 1. ``excluded``: a cluster the run already moved away from (gang not admitted in time) is skipped;
    ``reachable``: a cluster whose usage and queue cannot be read right now is never chosen;
+   ``role``: a ``role: dr`` cluster (the disaster-recovery pool) takes only the run priorities its
+   ``dr.peacetime`` names; recorded on dr clusters only;
 2. ``sovereignty``: restricted data runs on private clusters only (never switched off); the
    classification is the dataset's own (``datasets.yaml``), raised by the run if it asked;
 3. ``region``: a dataset limited to regions or jurisdictions (``regions``) runs only on clusters in
@@ -125,6 +127,19 @@ def _rule_queue(ctx: _Context, cand: _Candidate) -> str | None:
     return None
 
 
+def _rule_role(ctx: _Context, cand: _Candidate) -> str | None:
+    c = cand.cluster
+    if c.peacetime_allows(ctx.run.priority):
+        return None
+    allowed = " and ".join(f"{p} runs" for p in c.dr.peacetime) if c.dr and c.dr.peacetime else "no runs"
+    return (f"role dr: only {allowed} in peacetime (dr.peacetime in clusters.yaml); the run is "
+            f"priority={ctx.run.priority}")
+
+
+# Rules recorded only on the clusters they concern (a candidate's rules list stays as it was elsewhere).
+_ONLY_WHERE: Mapping[str, Callable[[Cluster], bool]] = {"role": lambda c: c.is_dr}
+
+
 def _rule_sovereignty(ctx: _Context, cand: _Candidate) -> str | None:
     if cand.cluster.location == "public" and ctx.run.must_stay_private:
         return f"dataset {ctx.run.dataset} is restricted: restricted data never leaves private clusters"
@@ -209,6 +224,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("excluded", _rule_excluded),
     ("reachable", _rule_reachable),
     ("queue", _rule_queue),
+    ("role", _rule_role),
     ("sovereignty", _rule_sovereignty),
     ("region", _rule_region),
     ("preference", _rule_preference),
@@ -221,12 +237,14 @@ RULES: tuple[tuple[str, Rule], ...] = (
 
 
 def private_pressure(estate: Estate, used: Mapping[str, int], queued: Mapping[str, int]) -> float:
-    """Share of private GPU capacity in use (plus queued, if ``placement.spill_counts_queue``)."""
-    cap = sum(c.total_gpus for c in estate.private_clusters)
+    """Share of private GPU capacity in use (plus queued, if ``placement.spill_counts_queue``); the
+    disaster-recovery pool (role dr) is not part of it."""
+    private = [c for c in estate.private_clusters if not c.is_dr]
+    cap = sum(c.total_gpus for c in private)
     if not cap:
         return 1.0
     count_queue = estate.pipeline.placement.spill_counts_queue
-    busy = sum(used.get(c.name, 0) + (queued.get(c.name, 0) if count_queue else 0) for c in estate.private_clusters)
+    busy = sum(used.get(c.name, 0) + (queued.get(c.name, 0) if count_queue else 0) for c in private)
     return busy / cap
 
 
@@ -325,6 +343,9 @@ def _winner_reasons(run: AdmittedRun, winner: _Candidate, eligible: list[_Candid
     if run.regions:
         why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
                    f"{' / '.join(winner.cluster.areas)}")
+    if winner.cluster.is_dr:
+        why.append(f"role dr: {run.priority} runs may use the disaster-recovery pool {winner.cluster.name} in "
+                   "peacetime (dr.peacetime)")
     why.append(f"node pool {pool.name} has {pool.gpus} {pool.gpu_model} GPUs for a gang of {run.workers}")
     if pool.spot:
         why.append("spot pool: the run is interruptible and allows spot")
@@ -349,6 +370,8 @@ def _assess(ctx: _Context, c: Cluster, used: int, queued: int, spilling: bool) -
         load=(used + queued) / c.total_gpus,
     )
     for name, rule in RULES:
+        if name in _ONLY_WHERE and not _ONLY_WHERE[name](c):
+            continue
         why = rule(ctx, cand)
         cand.rules[name] = "pass" if why is None else why
         if why is not None:
