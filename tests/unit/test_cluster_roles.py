@@ -11,7 +11,7 @@ import yaml
 
 from hybridflow.admission import AdmittedRun, admit
 from hybridflow.config import Estate, load_estate
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, PlacementError
 from hybridflow.placement import PlacementDecision, choose_cluster
 from hybridflow.settings import REPO_ROOT
 
@@ -74,7 +74,7 @@ def test_dr_cluster_is_never_chosen_outside_peacetime_priorities(dr_estate: Esta
     assert dr["rules"]["role"].startswith("role dr: only batch runs in peacetime")
     assert f"priority={priority}" in dr["rules"]["role"]
     # Even when it is the only cluster left, it is refused with the role named.
-    with pytest.raises(Exception, match="role dr: only batch runs in peacetime"):
+    with pytest.raises(PlacementError, match="role dr: only batch runs in peacetime"):
         choose_cluster(run_for(dr_estate, priority=priority), dr_estate, {}, exclude=["onprem-a", "cloud-east"])
 
 
