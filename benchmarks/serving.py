@@ -51,6 +51,8 @@ def _bundle(root: Path) -> tuple[Path, list[list[int]]]:
 
 
 def _start(cmd: list[str], ready: Path, log: Path, timeout_s: float = 120) -> tuple[subprocess.Popen, int]:
+    from hybridflow.serving.processes import stop_child
+
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.monotonic() + timeout_s
@@ -60,18 +62,8 @@ def _start(cmd: list[str], ready: Path, log: Path, timeout_s: float = 120) -> tu
         if proc.poll() is not None:
             break
         time.sleep(0.1)
-    _stop(proc)
+    stop_child(proc)
     raise SystemExit(f"{cmd[0]} {' '.join(cmd[1:4])} did not become ready; its log:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _servers(bundle: Path, tmp: Path) -> dict[str, list[str]]:
@@ -100,6 +92,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from hybridflow.serving.loadtest import load_test
+    from hybridflow.serving.processes import stop_child
 
     with tempfile.TemporaryDirectory(prefix="hf-bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
@@ -128,7 +121,7 @@ def main() -> int:
                 print(f"{users:>6}{rps:>15.2f}x{p99:>13.2f}x")
         finally:
             for proc in procs.values():
-                _stop(proc)
+                stop_child(proc)
     return 0
 
 

@@ -18,6 +18,7 @@ from tests.support.serving import assets, gate_metric, http_call, predict_url, s
 from hybridflow.config import ServingSettings
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.deploy import deploy, stop_gateway
+from hybridflow.serving.processes import alive
 from hybridflow.serving.router import NoBackend, pick_backend
 
 LENIENT = {"p99_ms": 10_000, "min_rps": 1, "max_error_rate": 0.0, "max_p99_regression": 1000, "concurrency": 2,
@@ -34,18 +35,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def _active(state_root: Path) -> dict:
@@ -78,7 +67,7 @@ def served(assets, tmp_path_factory):  # noqa: F811
     pids = [json.loads(p.read_text())["pid"] for p in [state_root / "router.json",
                                                        *state_root.glob("*/versions/*.json")] if p.is_file()]
     stop_gateway(state_root)
-    assert not any(_running(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def _deploy(assets, served, version: str, settings: ServingSettings, log=None) -> dict:  # noqa: F811
@@ -142,9 +131,9 @@ def test_a_version_slower_than_the_p99_bar_is_refused_before_any_traffic_moves(a
     assert any("gate" in m and "new v2" in m and "serving v1" in m for m in messages)  # in the task log
     # The gateway answered from v1 throughout; v1 never stopped, v2 did.
     assert client.seen and set(client.seen) == {(200, "v1")}
-    assert _active(state_root)["pid"] == v1_serving["pid"] and _running(v1_serving["pid"])
+    assert _active(state_root)["pid"] == v1_serving["pid"] and alive(v1_serving["pid"])
     v2 = json.loads((state_root / "digits" / "versions" / "v2.json").read_text())
-    assert v2["status"] == "failed" and not _running(v2["pid"])
+    assert v2["status"] == "failed" and not alive(v2["pid"])
 
 
 def test_a_canary_failing_at_50_percent_is_rolled_back_and_the_stable_version_serves_all(
@@ -210,8 +199,8 @@ def test_a_good_version_takes_every_step_and_the_old_one_is_retired_after_the_ch
     # v1 was stopped only after the check after promotion passed.
     promoted = next(i for i, m in enumerate(messages) if "after promotion" in m)
     retired = next(i for i, m in enumerate(messages) if "previous version v1" in m and "stopped" in m)
-    assert promoted < retired and not _running(v1_serving["pid"])
+    assert promoted < retired and not alive(v1_serving["pid"])
     assert _active(state_root)["version"] == "v2" and "canary" not in _active(state_root)
     # Deployed again: nothing changes.
     again = _deploy(assets, served, "v2", _settings(port))
-    assert again == {**result, "status": "kept"} and _running(result["pid"])
+    assert again == {**result, "status": "kept"} and alive(result["pid"])
