@@ -101,6 +101,10 @@ class GangJobTrigger(BaseTrigger):
         # The provider's sync hook in a thread: the same client calls as the backend's, off the event loop.
         # Kept for on_kill: building the client again (Connection, kubeconfig) takes seconds on a busy triggerer.
         hook = self._hook = make_hook(self.conn_id)
+        # The triggerer answers the first task-state question by building Airflow's in-process
+        # execution API (about 5 s, more on a busy host). Asked now, off the wait's path, so that a
+        # user's stop later reaches on_kill's state check warm.
+        self._warm_up = asyncio.ensure_future(self._task_state())
         window_end = self.submitted_at + self.admission_timeout_s
         last_note = None
         while True:
