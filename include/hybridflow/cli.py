@@ -11,6 +11,8 @@
     hybridflow dcgm URL|FILE   scrape a dcgm-exporter (or read a saved page), print per-GPU samples as JSON
     hybridflow local-exporter --cluster C [--port P]
                                serve a local cluster's slots in dcgm-exporter's format (the local stand-in)
+    hybridflow cluster down C --reason R | up C | status
+                               declare a cluster down (fenced, its gangs checkpointed) or up again; the fence as JSON
 """
 
 from __future__ import annotations
@@ -386,6 +388,29 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from hybridflow.dr.fencing import FencingError, declare_up, fence_status
+    from hybridflow.dr.fencing_drain import fence_and_drain
+
+    if args.action != "status" and not args.cluster:
+        print(f"hybridflow cluster {args.action} needs the cluster, e.g. hybridflow cluster {args.action} onprem-a",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.action == "down":
+            out = fence_and_drain(args.cluster, args.reason or "", by=args.by)
+        elif args.action == "up":
+            out = declare_up(args.cluster, by=args.by).to_dict()
+        else:
+            out = fence_status()
+    except FencingError as exc:
+        print(f"hybridflow cluster {args.action}: {exc}", file=sys.stderr)
+        return 2
+    json.dump(out, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -443,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("cluster", nargs="?", help="restore: the node's cluster in config/clusters.yaml")
     node.add_argument("node", nargs="?", help="restore: the node's name")
     node.set_defaults(func=cmd_node)
+    cluster = sub.add_parser("cluster", help="down: fence a cluster (no new placements, its gangs checkpointed; "
+                             "a primary down puts the estate in takeover); up: lift the fence; status: as JSON")
+    cluster.add_argument("action", choices=["down", "up", "status"])
+    cluster.add_argument("cluster", nargs="?", help="down/up: a cluster of config/clusters.yaml")
+    cluster.add_argument("--reason", help="down: why the cluster is declared down (kept with the fence)")
+    cluster.add_argument("--by", help="who declares it (default: the login name)")
+    cluster.set_defaults(func=cmd_cluster)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -5,8 +5,10 @@ The estate is one logical pool over labelled clusters. Each cluster is assessed 
 
 1. ``excluded``: a cluster the run already moved away from (gang not admitted in time) is skipped;
    ``reachable``: a cluster whose usage and queue cannot be read right now is never chosen;
+   ``fenced``: a cluster declared down takes no new placements (recorded while any cluster is down);
    ``role``: a ``role: dr`` cluster (the disaster-recovery pool) takes only the run priorities its
-   ``dr.peacetime`` names; recorded on dr clusters only;
+   ``dr.peacetime`` names, and in a takeover critical runs only; recorded on dr clusters only;
+   ``takeover``: while a primary is declared down, batch runs are paused (:mod:`.takeover`);
 2. ``sovereignty``: restricted data runs on private clusters only (never switched off); the
    classification is the dataset's own (``datasets.yaml``), raised by the run if it asked;
 3. ``region``: a dataset limited to regions or jurisdictions (``regions``) runs only on clusters in
@@ -30,8 +32,8 @@ of about its size) and the cheapest cluster expected to start in time wins; with
 in time the soonest known one wins, and with no estimate at all the rules above decide. The estimate
 and its basis are in the explanation either way.
 
-The functions take the estate and usage numbers only, so the trace replay
-(``benchmarks/placement_trace.py``) drives exactly these rules.
+:func:`choose_cluster` takes the estate and usage numbers only (:func:`place` also reads the clusters
+declared down), so the trace replay (``benchmarks/placement_trace.py``) drives exactly these rules.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ from hybridflow.backends.base import ClusterLoad
 from hybridflow.config import Cluster, Estate, NodePool
 from hybridflow.errors import PlacementError
 from hybridflow.placement.decision import PlacementDecision
+from hybridflow.placement.takeover import (
+    Takeover,
+    current,
+    dr_winner_reason,
+    fenced_verdict,
+    held_error,
+    private_pressure,
+    role_verdict,
+    takeover_verdict,
+)
 from hybridflow.waits import WaitEstimate, format_duration
 
 
@@ -102,6 +114,7 @@ class _Context:
     require_room: bool = False
     queues: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
     queue: str = ""
+    takeover: Takeover = field(default_factory=Takeover)
 
 
 # -- rules: each returns why the cluster (or all its remaining pools) fails, or None ---------------
@@ -127,17 +140,24 @@ def _rule_queue(ctx: _Context, cand: _Candidate) -> str | None:
     return None
 
 
+def _rule_fenced(ctx: _Context, cand: _Candidate) -> str | None:
+    return fenced_verdict(ctx.takeover, cand.cluster)
+
+
 def _rule_role(ctx: _Context, cand: _Candidate) -> str | None:
-    c = cand.cluster
-    if c.peacetime_allows(ctx.run.priority):
-        return None
-    allowed = " and ".join(f"{p} runs" for p in c.dr.peacetime) if c.dr and c.dr.peacetime else "no runs"
-    return (f"role dr: only {allowed} in peacetime (dr.peacetime in clusters.yaml); the run is "
-            f"priority={ctx.run.priority}")
+    return role_verdict(ctx.takeover, cand.cluster, ctx.run.priority)
 
 
-# Rules recorded only on the clusters they concern (a candidate's rules list stays as it was elsewhere).
-_ONLY_WHERE: Mapping[str, Callable[[Cluster], bool]] = {"role": lambda c: c.is_dr}
+def _rule_takeover(ctx: _Context, cand: _Candidate) -> str | None:
+    return takeover_verdict(ctx.takeover, ctx.run.priority)
+
+
+# Rules recorded only where they concern (a candidate's rules list stays as it was elsewhere).
+_ONLY_WHERE: Mapping[str, Callable[[_Context, Cluster], bool]] = {
+    "fenced": lambda ctx, c: bool(ctx.takeover.down),
+    "role": lambda ctx, c: c.is_dr,
+    "takeover": lambda ctx, c: ctx.takeover.active,
+}
 
 
 def _rule_sovereignty(ctx: _Context, cand: _Candidate) -> str | None:
@@ -223,8 +243,10 @@ Rule = Callable[[_Context, _Candidate], "str | None"]
 RULES: tuple[tuple[str, Rule], ...] = (
     ("excluded", _rule_excluded),
     ("reachable", _rule_reachable),
+    ("fenced", _rule_fenced),
     ("queue", _rule_queue),
     ("role", _rule_role),
+    ("takeover", _rule_takeover),
     ("sovereignty", _rule_sovereignty),
     ("region", _rule_region),
     ("preference", _rule_preference),
@@ -234,18 +256,6 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("price_ceiling", _rule_price_ceiling),
     ("room", _rule_room),
 )
-
-
-def private_pressure(estate: Estate, used: Mapping[str, int], queued: Mapping[str, int]) -> float:
-    """Share of private GPU capacity in use (plus queued, if ``placement.spill_counts_queue``); the
-    disaster-recovery pool (role dr) is not part of it."""
-    private = [c for c in estate.private_clusters if not c.is_dr]
-    cap = sum(c.total_gpus for c in private)
-    if not cap:
-        return 1.0
-    count_queue = estate.pipeline.placement.spill_counts_queue
-    busy = sum(used.get(c.name, 0) + (queued.get(c.name, 0) if count_queue else 0) for c in private)
-    return busy / cap
 
 
 def choose_cluster(
@@ -259,6 +269,7 @@ def choose_cluster(
     require_room: bool = False,
     waits: Mapping[str, WaitEstimate] | None = None,
     queues: Mapping[str, frozenset[str] | None] | None = None,
+    takeover: Takeover | None = None,
 ) -> PlacementDecision:
     """Pick the cluster and node pool for ``run``.
 
@@ -268,6 +279,7 @@ def choose_cluster(
     could not be read to why (never chosen). ``require_room`` keeps only clusters that would admit
     the gang now (moving a waiting gang). ``waits`` are the clusters' estimated waits, for a run
     with ``start_by``. ``queues`` names the team queues that exist on each cluster (None: not known).
+    ``takeover``: the clusters declared down (None: none); a run held by it raises ``PlacementHeld``.
     """
     settings = estate.pipeline.placement
     threshold = settings.spill_threshold
@@ -275,19 +287,21 @@ def choose_cluster(
     queued_gpus = queued_gpus or {}
     used = {name: min(max(int(used_gpus.get(name, 0) or 0), 0), c.total_gpus) for name, c in estate.clusters.items()}
     queued = {name: max(int(queued_gpus.get(name, 0) or 0), 0) for name in estate.clusters}
-    share = private_pressure(estate, used, queued)
+    takeover = takeover or Takeover()
+    share = private_pressure(estate, used, queued, takeover)
     strategy = run.placement_strategy
     spilling = run.cluster_preference == "auto" and strategy == "local_first" and share >= threshold
 
     ctx = _Context(run=run, excluded=excluded, unreachable=dict(unreachable or {}), require_room=require_room,
-                   queues=dict(queues or {}), queue=estate.queue_of(run.team) if run.team in estate.teams else "")
+                   queues=dict(queues or {}), queue=estate.queue_of(run.team) if run.team in estate.teams else "",
+                   takeover=takeover)
     candidates = [_assess(ctx, c, used[name], queued[name], spilling) for name, c in sorted(estate.clusters.items())]
     eligible = sorted((c for c in candidates if c.eligible), key=_Candidate.key)
     deadline = _by_deadline(run, eligible, waits) if run.start_by_s and eligible else None
     if deadline is not None:
         eligible = deadline[0]
     if not eligible:
-        raise _no_cluster_error(run, candidates)
+        raise held_error(takeover, run.priority, [c.as_dict() for c in candidates], _no_cluster_error(run, candidates))
 
     winner = eligible[0]
     for rank, cand in enumerate(eligible, start=1):
@@ -297,7 +311,7 @@ def choose_cluster(
     assert winner.pool is not None
     pool = winner.pool
     why = deadline[1] if deadline is not None else _policy_reason(run, winner, share, threshold, spilling)
-    why += _winner_reasons(run, winner, eligible, share, threshold, strategy)
+    why += _winner_reasons(run, winner, eligible, share, threshold, strategy, takeover)
     if run.start_by_s and deadline is None:
         why.append(f"start_by {format_duration(run.start_by_s)}: no wait estimate (none was given), placed by the "
                    "rules above")
@@ -335,7 +349,7 @@ def _no_cluster_error(run: AdmittedRun, candidates: list[_Candidate]) -> Placeme
 
 
 def _winner_reasons(run: AdmittedRun, winner: _Candidate, eligible: list[_Candidate], share: float,
-                    threshold: float, strategy: str) -> list[str]:
+                    threshold: float, strategy: str, takeover: Takeover) -> list[str]:
     """Why the winner's region, pool, pricing and load suit the run, and why it beat each other eligible one."""
     assert winner.pool is not None
     pool = winner.pool
@@ -344,8 +358,7 @@ def _winner_reasons(run: AdmittedRun, winner: _Candidate, eligible: list[_Candid
         why.append(f"dataset {run.dataset} stays in {', '.join(run.regions)}: {winner.cluster.name} is in "
                    f"{' / '.join(winner.cluster.areas)}")
     if winner.cluster.is_dr:
-        why.append(f"role dr: {run.priority} runs may use the disaster-recovery pool {winner.cluster.name} in "
-                   "peacetime (dr.peacetime)")
+        why.append(dr_winner_reason(takeover, winner.cluster, run.priority))
     why.append(f"node pool {pool.name} has {pool.gpus} {pool.gpu_model} GPUs for a gang of {run.workers}")
     if pool.spot:
         why.append("spot pool: the run is interruptible and allows spot")
@@ -370,7 +383,7 @@ def _assess(ctx: _Context, c: Cluster, used: int, queued: int, spilling: bool) -
         load=(used + queued) / c.total_gpus,
     )
     for name, rule in RULES:
-        if name in _ONLY_WHERE and not _ONLY_WHERE[name](c):
+        if name in _ONLY_WHERE and not _ONLY_WHERE[name](ctx, c):
             continue
         why = rule(ctx, cand)
         cand.rules[name] = "pass" if why is None else why
@@ -464,12 +477,14 @@ def _by_deadline(run: AdmittedRun, eligible: list[_Candidate],
 
 def place(run: AdmittedRun, estate: Estate, loads: Mapping[str, ClusterLoad], *,
           exclude: Mapping[str, str] | Collection[str] = (), require_room: bool = False,
-          waits: Mapping[str, WaitEstimate] | None = None) -> PlacementDecision:
+          waits: Mapping[str, WaitEstimate] | None = None, takeover: Takeover | None = None) -> PlacementDecision:
     """:func:`choose_cluster` on the clusters' load readings (as :func:`hybridflow.backends.estate_load`
-    gives them): usage, queue, reachability and the team queues that exist."""
+    gives them): usage, queue, reachability and the team queues that exist; the clusters declared
+    down are read from the fence (:func:`hybridflow.placement.takeover.current`) unless given."""
     return choose_cluster(
         run, estate, {n: ld.used for n, ld in loads.items()}, exclude=exclude,
         queued_gpus={n: ld.queued for n, ld in loads.items()},
         unreachable={n: ld.reason or "no answer" for n, ld in loads.items() if not ld.reachable},
         require_room=require_room, waits=waits, queues={n: ld.queues for n, ld in loads.items()},
+        takeover=current(estate) if takeover is None else takeover,
     )

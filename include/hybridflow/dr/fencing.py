@@ -1,0 +1,204 @@
+"""Clusters declared down: who declared each one, when and why, and every down and up since.
+
+A cluster declared down is fenced: placement gives it no new runs, and while a ``role: primary``
+cluster is down the estate is in takeover (the disaster-recovery pool serves critical runs, normal
+runs wait, batch runs are paused: :mod:`hybridflow.placement.takeover`). Declaring it up again
+(failback) lifts the fence.
+
+The state is one small JSON file, ``<HYBRIDFLOW_HOME>/state/fencing.json``, kept like node health's
+cordons (locked while read and written, replaced atomically), so every task, trigger and command on
+the machine reads the same fence::
+
+    {"down": {"<cluster>": {"cluster", "reason", "by", "declared_at", "drain"?}},
+     "history": [{"event": "down" | "up", "cluster", "by", "at", ...}, ...]}
+
+Both changes are idempotent: declaring a cluster down that is down already (or up one that is up)
+changes nothing and says so. Bad input raises :class:`FencingError` before anything is written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import getpass
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hybridflow.errors import HybridFlowError
+
+STATE_FILE = "fencing.json"
+# Failback lifts the fence for placement; serving moves back only through the deploy gate.
+SERVING_ON_FAILBACK = ("not moved back by this command: serving returns to the cluster only through a deploy "
+                       "(its gate and canary steps)")
+
+
+class FencingError(HybridFlowError):
+    """A cluster could not be declared down or up: the argument at fault and the fix are named, and
+    nothing was changed."""
+
+
+@dataclass(frozen=True)
+class FenceChange:
+    """What one ``declare_down`` / ``declare_up`` did: ``changed`` False when the cluster was in
+    that state already (``record`` is then the standing one)."""
+
+    cluster: str
+    state: str  # "down" or "up"
+    changed: bool
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "state": self.state, "changed": self.changed, "record": dict(self.record)}
+
+
+def state_path(state_dir: Path | None = None) -> Path:
+    """The fence file under ``state_dir`` (default: the settings' state folder)."""
+    if state_dir is None:
+        from hybridflow.settings import get_settings
+
+        state_dir = get_settings().state_dir
+    return Path(state_dir) / STATE_FILE
+
+
+def _empty() -> dict[str, Any]:
+    return {"down": {}, "history": []}
+
+
+def read_fence(path: Path | None = None) -> dict[str, Any]:
+    """The fence as last written (``down`` and ``history``); empty when nothing was ever declared."""
+    path = path or state_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return _empty()
+    state = json.loads(text) if text.strip() else {}
+    return {**_empty(), **state}
+
+
+def down_clusters(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """``{cluster: record}`` of the clusters declared down now."""
+    return dict(read_fence(path)["down"])
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[dict[str, Any]]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state = read_fence(path)
+            before = json.dumps(state, sort_keys=True)
+            yield state
+            if json.dumps(state, sort_keys=True) != before:  # an unchanged fence is not rewritten
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _estate(estate: Any) -> Any:
+    if estate is not None:
+        return estate
+    from hybridflow.config import load_estate
+    from hybridflow.settings import get_settings
+
+    return load_estate(get_settings().config_dir)
+
+
+def _who(by: str | None) -> str:
+    if by and by.strip():
+        return by.strip()
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no login name (a container without a passwd entry)
+        return "unknown"
+
+
+def _stamp(now: datetime | None) -> str:
+    return (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds")
+
+
+def check_down(estate: Any, cluster: str, reason: str) -> None:
+    """Refuse a ``cluster down`` that cannot be right, naming the argument and the fix."""
+    names = sorted(estate.clusters)
+    dr = [n for n in names if estate.clusters[n].is_dr]
+    fenceable = [n for n in names if not estate.clusters[n].is_dr]
+    if cluster not in estate.clusters:
+        raise FencingError(f"cluster {cluster!r} is not in clusters.yaml; use one of: {', '.join(fenceable)}")
+    if estate.clusters[cluster].is_dr:
+        raise FencingError(
+            f"cluster {cluster!r} is the disaster-recovery pool (role: dr): it takes over when another cluster is "
+            f"down and cannot be declared down itself; declare down one of: {', '.join(fenceable)}")
+    if not dr:
+        raise FencingError(
+            "no cluster in clusters.yaml has role: dr, so nothing would take over from a cluster declared down; "
+            "add a disaster-recovery pool (role: dr with dr: {min_gpus: N}, docs/placement.md) first")
+    if not isinstance(reason, str) or not reason.strip():
+        raise FencingError("reason is empty: say why the cluster is declared down (--reason), e.g. "
+                           "--reason 'power loss in dc-1'; it is kept with the fence")
+
+
+def declare_down(cluster: str, reason: str, *, by: str | None = None, estate: Any = None,
+                 path: Path | None = None, now: datetime | None = None) -> FenceChange:
+    """Fence ``cluster``: no new placements there, and takeover while it is a primary. Idempotent:
+    a cluster down already keeps its first record (who, when, why) and nothing is written."""
+    check_down(_estate(estate), cluster, reason)
+    with _locked(path or state_path()) as state:
+        standing = state["down"].get(cluster)
+        if standing is not None:
+            return FenceChange(cluster, "down", False, dict(standing))
+        record = {"cluster": cluster, "reason": reason.strip(), "by": _who(by), "declared_at": _stamp(now)}
+        state["down"][cluster] = record
+        state["history"].append({"event": "down", "cluster": cluster, "reason": record["reason"],
+                                 "by": record["by"], "at": record["declared_at"]})
+        return FenceChange(cluster, "down", True, dict(record))
+
+
+def record_drain(cluster: str, outcome: Mapping[str, Any], *, path: Path | None = None) -> bool:
+    """Keep what draining the cluster did (gangs checkpointed, serving) with its fence record;
+    False when the cluster is not down (nothing is written)."""
+    with _locked(path or state_path()) as state:
+        record = state["down"].get(cluster)
+        if record is None:
+            return False
+        record["drain"] = dict(outcome)
+        return True
+
+
+def declare_up(cluster: str, *, by: str | None = None, estate: Any = None, path: Path | None = None,
+               now: datetime | None = None) -> FenceChange:
+    """Lift the fence of ``cluster`` (failback): placement uses it again. Idempotent: a cluster that
+    is not down changes nothing. Serving is not moved back here (:data:`SERVING_ON_FAILBACK`)."""
+    estate = _estate(estate)
+    path = path or state_path()
+    if cluster not in estate.clusters and cluster not in down_clusters(path):
+        raise FencingError(f"cluster {cluster!r} is not in clusters.yaml; use one of: {', '.join(sorted(estate.clusters))}")
+    with _locked(path) as state:
+        record = state["down"].pop(cluster, None)
+        if record is None:
+            return FenceChange(cluster, "up", False, {"cluster": cluster})
+        event = {"event": "up", "cluster": cluster, "by": _who(by), "at": _stamp(now),
+                 "down_since": record.get("declared_at"), "down_reason": record.get("reason"),
+                 "serving": SERVING_ON_FAILBACK}
+        state["history"].append(event)
+        return FenceChange(cluster, "up", True, event)
+
+
+def fence_status(estate: Any = None, path: Path | None = None) -> dict[str, Any]:
+    """Every cluster's state (down with its record, or up), whether the estate is in takeover, and
+    the history of declarations: what ``hybridflow cluster status`` prints."""
+    estate = _estate(estate)
+    fence = read_fence(path)
+    down = fence["down"]
+    clusters = {name: {"role": c.role, "state": "down" if name in down else "up", **({"down": down[name]}
+                       if name in down else {})} for name, c in sorted(estate.clusters.items())}
+    primaries = sorted(n for n in down if n in estate.clusters and estate.clusters[n].role == "primary")
+    return {"takeover": bool(primaries), "primaries_down": primaries,
+            "dr_clusters": sorted(n for n, c in estate.clusters.items() if c.is_dr),
+            "clusters": clusters, "history": fence["history"]}

@@ -1,0 +1,98 @@
+"""Draining a cluster declared down: its running gangs checkpoint and stop, where it still answers,
+and what serves from it is reported.
+
+Gangs are stopped with their backend's ``stop`` (the path a budget freeze takes): local gangs get
+SIGTERM and commit a final checkpoint within ``training.preemption_grace_s``; Kubernetes gang jobs
+are annotated with the reason, then deleted with their pods (SIGTERM: the same final checkpoint).
+A stopped gang is never relaunched, so nothing of it starts again on the fenced cluster; its train
+task fails naming the reason, and the newest checkpoint stays in the run's checkpoint places. A
+cluster whose backend does not answer is recorded as such: its gangs could not be checkpointed.
+
+Serving: the estate's serving entries are the model gateway on this machine (``serving.target``
+local, which belongs to no cluster of clusters.yaml) and the inference pool on
+``serving.kubernetes.cluster``. Neither is switched here; the outcome says which one, if any, runs
+on the fenced cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _default_backend(cluster: Any, estate: Any, state_dir: Any) -> Any:
+    from hybridflow.backends import gang_backend
+
+    return gang_backend(cluster, estate, state_dir)
+
+
+def checkpoint_gangs(cluster_name: str, reason: str, estate: Any, state_dir: Any, *,
+                     backend_factory: Callable[[Any, Any, Any], Any] = _default_backend) -> dict[str, Any]:
+    """Stop every running gang of the cluster with ``reason`` (each commits a final checkpoint
+    first). ``answered`` False: the cluster could not be asked, ``error`` says why."""
+    cluster = estate.clusters[cluster_name]
+    stopped: list[str] = []
+    gone: list[str] = []
+    try:
+        backend = backend_factory(cluster, estate, state_dir)
+        for name in backend.find_gangs({}):
+            (stopped if backend.stop(name, reason) else gone).append(name)
+    except Exception as exc:  # noqa: BLE001 - a down cluster may well not answer; the fence stands anyway
+        log.warning("cluster %s declared down: its gangs could not be stopped (%s: %s)%s", cluster_name,
+                    type(exc).__name__, exc, f"; stopped so far: {', '.join(stopped)}" if stopped else "")
+        return {"answered": False, "error": f"{type(exc).__name__}: {exc}", "stopped": stopped, "gone": gone}
+    for name in stopped:
+        log.info("cluster %s declared down: gang %s checkpointed and stopped", cluster_name, name)
+    return {"answered": True, "stopped": stopped, "gone": gone}
+
+
+def serving_on(cluster_name: str, estate: Any) -> dict[str, Any]:
+    """Which serving entry, if any, runs on the cluster, and what was done about it."""
+    serving = estate.pipeline.serving
+    pool = serving.kubernetes
+    if pool is not None and pool.cluster == cluster_name:
+        return {"entry": f"inference pool {pool.namespace} on {cluster_name} ({pool.kind})", "drained": False,
+                "note": "left as it is: the estate has no second inference pool to move its traffic to"}
+    where = f"the inference pool is on {pool.cluster}" if pool is not None else (
+        "the model gateway serves from this machine (serving.target local), which is no cluster of clusters.yaml")
+    return {"entry": None, "drained": False, "note": f"no serving entry on {cluster_name}: {where}"}
+
+
+def drain(cluster_name: str, reason: str, estate: Any, state_dir: Any, *,
+          backend_factory: Callable[[Any, Any, Any], Any] = _default_backend) -> dict[str, Any]:
+    """Checkpoint and stop the cluster's gangs, and report its serving entry; the outcome is what
+    :func:`hybridflow.dr.fencing.record_drain` keeps with the fence."""
+    gangs = checkpoint_gangs(cluster_name, f"cluster {cluster_name} declared down: {reason}", estate, state_dir,
+                             backend_factory=backend_factory)
+    return {"at": datetime.now(UTC).isoformat(timespec="seconds"), "gangs": gangs,
+            "serving": serving_on(cluster_name, estate)}
+
+
+def fence_and_drain(cluster_name: str, reason: str, *, by: str | None = None, estate: Any = None,
+                    state_dir: Any = None, backend_factory: Callable[[Any, Any, Any], Any] = _default_backend
+                    ) -> dict[str, Any]:
+    """``hybridflow cluster down``: fence first (no new placements from this moment), then drain and
+    keep the outcome with the fence. A cluster down already is neither fenced nor drained again."""
+    from hybridflow.dr.fencing import declare_down, record_drain, state_path
+
+    if estate is None:
+        from hybridflow.config import load_estate
+        from hybridflow.settings import get_settings
+
+        estate = load_estate(get_settings().config_dir)
+    if state_dir is None:
+        from hybridflow.settings import get_settings
+
+        state_dir = get_settings().state_dir
+    path = state_path(state_dir)
+    change = declare_down(cluster_name, reason, by=by, estate=estate, path=path)
+    out = change.to_dict()
+    if change.changed:
+        outcome = drain(cluster_name, change.record["reason"], estate, state_dir, backend_factory=backend_factory)
+        record_drain(cluster_name, outcome, path=path)
+        out["record"]["drain"] = outcome
+    return out
