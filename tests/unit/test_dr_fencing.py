@@ -90,6 +90,7 @@ def test_a_critical_run_lands_on_the_dr_pool_while_the_primary_is_down(estate: E
     assert primary["rules"]["fenced"].startswith("declared down at ")
     assert f"by ops: {REASON}; it takes no new placements until `hybridflow cluster up onprem-a`" in \
         primary["rules"]["fenced"]
+    assert _candidate(d.candidates, "dr-west")["rules"]["fenced"] == "pass"  # recorded everywhere while one is down
 
 
 def test_a_normal_run_waits_for_the_primary_and_is_not_placed_on_dr(estate: Estate, fence: Path, run_for) -> None:
