@@ -329,3 +329,40 @@ def test_a_pass_finds_the_running_critical_training_by_itself(estate: Estate, ho
     assert {(s.kind, s.name) for s in report.sets} == {("checkpoint", RUN), ("dataset", DATASET)}
     assert home.dr.exists(f"checkpoints/{RUN}/step-000000010/MANIFEST.json")
     assert not any(i.key.startswith(f"checkpoints/{other}") for i in home.dr.list("checkpoints/"))
+
+
+def test_the_dag_tasks_replicate_into_the_dr_cluster_s_s3_store_through_its_connection(
+        tmp_path: Path, home: Home, rclone_s3, monkeypatch) -> None:
+    """The embedded default's shape: the DR store is an S3 endpoint reached through an Airflow Connection."""
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.dr.task import DrNotReady, reconciliation_task, replication_task
+    from hybridflow.storage.s3 import S3ObjectStore
+
+    endpoint, access, secret, data_dir = rclone_s3
+    bucket = f"hf-dr-{os.getpid()}-{tmp_path.name[-12:]}".lower().replace("_", "-")
+    _estate(tmp_path, _dr_cluster(cache={"conn_id": "hybridflow_dr_west", "bucket": bucket}))
+    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", airflow_conn_uri(access, secret, endpoint))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(home.settings.home))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(home.settings.config_dir))
+    home.pin()
+    home.serve("digits", "v1", b"weights-1")
+
+    first = replication_task()["clusters"][0]
+    assert first["cluster"] == "dr-west" and first["problems"] == [] and first["readiness"] == []
+    assert {(s["kind"], s["status"]) for s in first["sets"]} == {("dataset", "copied"), ("model", "copied")}
+    landed = {p.relative_to(data_dir / bucket).as_posix() for p in (data_dir / bucket).rglob("*") if p.is_file()}
+    assert "models/digits/v1/weights.pt" in landed and len(landed) == first["objects_copied"] + 2  # + 2 manifests
+    assert replication_task()["clusters"][0]["objects_copied"] == 0
+    assert reconciliation_task()["clusters"][0]["drift"] == []
+
+    # A new served version whose weights went missing: the task fails naming it, after the rest was copied.
+    bundle = home.serve("digits", "v2", b"weights-2")
+    (bundle / "weights.pt").unlink()
+    home.write_data("5,1")
+    home.pin()
+    with pytest.raises(DrNotReady, match=r"dr-west: model digits: models/digits/v2/weights.pt: missing at the source"):
+        replication_task()
+    after = {p.relative_to(data_dir / bucket).as_posix() for p in (data_dir / bucket).rglob("*") if p.is_file()}
+    assert "models/digits/v2/MANIFEST.json" not in after
+    assert len([k for k in after if "/versions/" in k]) == 2  # the new dataset version went over
