@@ -41,12 +41,13 @@ def _dr_cluster(**changes) -> dict:
     return cluster
 
 
-def _estate(tmp_path: Path, dr: dict | None = None) -> Estate:
+def _estate(tmp_path: Path, dr: dict | None = None, **others: dict) -> Estate:
     target = tmp_path / "config"
     shutil.copytree(SHIPPED, target, dirs_exist_ok=True)
     doc = yaml.safe_load((target / "clusters.yaml").read_text())
     if dr is not None:
         doc["clusters"]["dr-west"] = dr
+    doc["clusters"].update(others)
     (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return load_estate(target, use_cache=False)
 
@@ -287,6 +288,12 @@ def test_missing_connections_and_image_are_named_with_their_fix(tmp_path: Path) 
     assert "airflow connections add hybridflow_dr_west --conn-type aws" in store.fix
     assert "kube_config" in missing["clusters.dr-west.conn_id"].fix
     assert check_readiness(estate.clusters["dr-west"], estate, lookup=lambda _id: None) == []
+    # A primary on Kubernetes running another training image: a takeover would run other code.
+    primary = {k: v for k, v in k8s.items() if k != "dr"} | {"role": "primary", "image": "reg.example/train:2",
+                                                               "conn_id": "k8s_main"}
+    estate = _estate(tmp_path / "b", k8s, **{"k8s-main": primary})
+    [image] = check_readiness(estate.clusters["dr-west"], estate, lookup=lambda _id: None)
+    assert image.field == "clusters.dr-west.image" and "reg.example/train:2" in image.what
 
 
 def test_the_tasks_succeed_without_side_effects_when_no_dr_cluster_is_configured(tmp_path: Path,
