@@ -258,3 +258,23 @@ def test_the_command_fences_places_and_fails_back(tmp_path: Path, monkeypatch, c
     assert main(["cluster", "up", "onprem-a"]) == 0
     assert json.loads(capsys.readouterr().out)["changed"]
     assert place(run_for(estate, priority="critical"), estate, loads).cluster == "onprem-a"
+
+
+def test_the_dag_s_task_declares_as_the_triggering_user_and_fails_bad_params(tmp_path: Path, monkeypatch) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.dr.fencing_task import fence_task
+
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(_config(tmp_path)))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    path = tmp_path / "home" / "state" / "fencing.json"
+    for params, fragment in [({"action": "down", "cluster": "dr-west", "reason": REASON}, "disaster-recovery pool"),
+                             ({"action": "down", "cluster": None, "reason": REASON}, "cluster: empty"),
+                             ({"action": "down", "cluster": "onprem-a", "reason": None}, "reason is empty")]:
+        with pytest.raises(AirflowFailException, match=fragment):
+            fence_task(params, by="alice")
+    assert not path.exists()
+    out = fence_task({"action": "down", "cluster": "onprem-a", "reason": REASON}, by="alice")
+    assert out["changed"] and down_clusters(path)["onprem-a"]["by"] == "alice"
+    assert fence_task({"action": "up", "cluster": "onprem-a"}, by="alice")["record"]["by"] == "alice"
+    assert down_clusters(path) == {}

@@ -1,0 +1,56 @@
+"""The ``cluster_fence`` DAG's task unit: its trigger form does what ``hybridflow cluster down`` and
+``hybridflow cluster up`` do (:mod:`hybridflow.dr.fencing_drain`, :mod:`hybridflow.dr.fencing`).
+
+Kept free of Airflow and heavy imports at module level: the DAG file reads :data:`FENCE_PARAMS`
+while it is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+FENCE_PARAMS: dict[str, dict[str, Any]] = {
+    "action": {
+        "default": "down",
+        "type": "string",
+        "enum": ["down", "up"],
+        "title": "Action",
+        "description": "down: fence the cluster (no new placements, its running gangs checkpointed and stopped; a "
+        "primary down puts the estate in takeover). up: lift the fence (failback); serving moves back only "
+        "through a deploy.",
+    },
+    "cluster": {
+        "default": None,
+        "type": ["null", "string"],
+        "title": "Cluster",
+        "description": "A cluster of config/clusters.yaml; never the disaster-recovery pool (role: dr).",
+    },
+    "reason": {
+        "default": None,
+        "type": ["null", "string"],
+        "title": "Reason",
+        "description": "down: why the cluster is declared down (kept with the fence), e.g. power loss in dc-1.",
+    },
+}
+
+
+def fence_task(params: Mapping[str, Any], by: str | None = None) -> dict[str, Any]:
+    """Declare ``params["cluster"]`` down or up as ``by`` (the user who triggered the run). Bad input
+    fails the task without a retry, naming the Param, and changes nothing."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.dr.fencing import FencingError, declare_up
+    from hybridflow.dr.fencing_drain import fence_and_drain
+
+    action, cluster = params.get("action"), params.get("cluster")
+    if action not in ("down", "up"):
+        raise AirflowFailException(f"action: {action!r} is neither 'down' nor 'up'")
+    if not cluster:
+        raise AirflowFailException("cluster: empty; name a cluster of config/clusters.yaml, e.g. onprem-a")
+    try:
+        if action == "down":
+            return fence_and_drain(cluster, params.get("reason") or "", by=by)
+        return declare_up(cluster, by=by).to_dict()
+    except FencingError as exc:
+        raise AirflowFailException(f"cluster {action}: {exc}") from exc
