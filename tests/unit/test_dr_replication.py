@@ -373,3 +373,16 @@ def test_the_dag_tasks_replicate_into_the_dr_cluster_s_s3_store_through_its_conn
     after = {p.relative_to(data_dir / bucket).as_posix() for p in (data_dir / bucket).rglob("*") if p.is_file()}
     assert "models/digits/v2/MANIFEST.json" not in after
     assert len([k for k in after if "/versions/" in k]) == 2  # the new dataset version went over
+
+
+def test_objects_bigger_than_one_read_are_checked_in_ranges(estate: Estate, home: Home, monkeypatch) -> None:
+    import hybridflow.dr.replicas as replicas
+
+    monkeypatch.setattr(replicas, "CHUNK", 5)  # every object here spans several reads
+    home.pin()
+    home.serve("digits", "v1", b"weights-1")
+    assert _replicate(estate, home, runs=[]).all_problems == []
+    blobs = [i.key for i in home.dr.list(f"datasets/{DATASET}/blobs/")]
+    assert sorted(home.dr.get_bytes(k) for k in blobs) == sorted(p.read_bytes() for p in home.data.iterdir())
+    home.dr.put_bytes(blobs[0], home.dr.get_bytes(blobs[0])[:-1] + b"?")  # same size, last byte changed
+    assert [(p.key, p.what.split(":")[0]) for p in reconcile(home.dr).drift] == [(blobs[0], "corrupted")]

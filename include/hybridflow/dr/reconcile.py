@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.dr.layout import MANIFEST_PREFIXES, Expected, expected_objects, kind_of, name_of
-from hybridflow.dr.replicas import Problem, Wanted, logger, read_source, sha256_of, write_verified
+from hybridflow.dr.replicas import (
+    Problem,
+    Wanted,
+    logger,
+    read_source,
+    sha256_of,
+    stored_digest,
+    write_verified,
+)
 from hybridflow.storage.objectstore import ObjectStore
 
 
@@ -41,13 +49,19 @@ class ReconcileReport:
 
 def _check(store: ObjectStore, e: Expected) -> str | None:
     """Why the stored object does not hold what its manifest records, or None."""
-    try:
-        data = store.get_range(e.key, e.offset, e.size) if e.offset is not None else store.get_bytes(e.key)
-    except FileNotFoundError:
-        return "missing"
-    if len(data) != e.size:
-        return f"corrupted: {len(data)} bytes, the manifest records {e.size}"
-    digest = sha256_of(data)
+    if e.offset is not None:  # a file packed in a shard: its byte range
+        try:
+            data = store.get_range(e.key, e.offset, e.size)
+        except FileNotFoundError:
+            return "missing"
+        size, digest = len(data), sha256_of(data)
+    else:
+        found = stored_digest(store, e.key)
+        if found is None:
+            return "missing"
+        size, digest = found
+    if size != e.size:
+        return f"corrupted: {size} bytes, the manifest records {e.size}"
     return None if digest == e.sha256 else f"corrupted: SHA-256 {digest[:12]}, the manifest records {e.sha256[:12]}"
 
 
@@ -57,10 +71,10 @@ def _repair(store: ObjectStore, e: Expected, source: Wanted | None) -> str | Non
         return "no healthy source to copy it from; left as it is"
     if e.offset is not None:
         return "a packed file: repair by replicating its version again; left as it is"
-    data, why = read_source(Wanted(e.key, e.size, e.sha256, source.read, source.source))
-    if data is None:
+    body, why = read_source(Wanted(e.key, e.size, e.sha256, source.read, source.source, source.path))
+    if body is None:
         return f"not repaired: {why}"
-    failed = write_verified(store, e.key, data, repair=True)
+    failed = write_verified(store, e.key, body, repair=True)
     return None if failed is None else f"repair did not verify: {failed}"
 
 

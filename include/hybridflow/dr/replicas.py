@@ -19,11 +19,14 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from hybridflow.storage.objectstore import ObjectStore
+from hybridflow.storage.objectstore import ObjectStat, ObjectStore
 
 logger = logging.getLogger("hybridflow.dr")
+
+CHUNK = 16 << 20  # objects are hashed in reads of this size
 
 
 def sha256_of(data: bytes) -> str:
@@ -41,6 +44,7 @@ class Wanted:
     sha256: str | None
     read: Callable[[], bytes] = field(repr=False, compare=False)
     source: str = ""  # where it is read from, for messages
+    path: Path | None = None  # a local file: checked and sent from where it lies, not read whole
 
 
 @dataclass(frozen=True)
@@ -100,83 +104,122 @@ class SetOutcome:
                 "repaired": self.repaired, "problems": [p.to_dict() for p in self.problems]}
 
 
-def read_source(wanted: Wanted) -> tuple[bytes | None, str | None]:
-    """The source's bytes if they are what its manifest records, else (None, why)."""
+@dataclass(frozen=True)
+class Body:
+    """Source bytes that passed their check: in memory, or a local file sent from where it lies
+    (big dataset files never pass through memory whole)."""
+
+    size: int
+    sha256: str
+    data: bytes | None = field(default=None, repr=False)
+    path: Path | None = None
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def read_source(wanted: Wanted) -> tuple[Body | None, str | None]:
+    """The source's content if it is what its manifest records, else (None, why)."""
+    where = wanted.source or "source"
     try:
-        data = wanted.read()
+        if wanted.path is not None:
+            size, digest = _hash_file(wanted.path)
+            body = Body(size, digest, path=wanted.path)
+        else:
+            data = wanted.read()
+            body = Body(len(data), sha256_of(data), data=data)
     except FileNotFoundError:
-        return None, f"missing at the source ({wanted.source or 'source'})"
+        return None, f"missing at the source ({where})"
     except Exception as exc:  # noqa: BLE001 - any read failure: the object is not propagated
-        return None, f"cannot be read at the source ({wanted.source or 'source'}): {type(exc).__name__}: {exc}"
-    if wanted.size is not None and len(data) != wanted.size:
-        return None, (f"the source ({wanted.source or 'source'}) holds {len(data)} bytes, its manifest records "
-                      f"{wanted.size}; not copied")
-    digest = sha256_of(data)
-    if wanted.sha256 is not None and digest != wanted.sha256:
-        return None, (f"the source ({wanted.source or 'source'}) no longer matches its manifest (SHA-256 "
-                      f"{digest[:12]}, recorded {wanted.sha256[:12]}); not copied")
-    return data, None
+        return None, f"cannot be read at the source ({where}): {type(exc).__name__}: {exc}"
+    if wanted.size is not None and body.size != wanted.size:
+        return None, f"the source ({where}) holds {body.size} bytes, its manifest records {wanted.size}; not copied"
+    if wanted.sha256 is not None and body.sha256 != wanted.sha256:
+        return None, (f"the source ({where}) no longer matches its manifest (SHA-256 {body.sha256[:12]}, recorded "
+                      f"{wanted.sha256[:12]}); not copied")
+    return body, None
 
 
-def stored_sha256(store: ObjectStore, key: str) -> str | None:
-    """SHA-256 of the DR object ``key``, None when it is missing."""
+def _stored_size(store: ObjectStore, key: str) -> int | None:
+    if isinstance(store, ObjectStat):
+        info = store.stat(key)
+        return None if info is None else info.size
+    return next((i.size for i in store.list(key) if i.key == key), None)
+
+
+def stored_digest(store: ObjectStore, key: str) -> tuple[int, str] | None:
+    """(size, SHA-256) of the DR object ``key``, read in ranges; None when it is missing."""
+    size = _stored_size(store, key)
+    if size is None:
+        return None
+    sha = hashlib.sha256()
     try:
-        return sha256_of(store.get_bytes(key))
+        if size <= CHUNK:
+            sha.update(store.get_bytes(key))
+        else:
+            for start in range(0, size, CHUNK):
+                sha.update(store.get_range(key, start, min(CHUNK, size - start)))
     except FileNotFoundError:
         return None
+    return size, sha.hexdigest()
 
 
-def write_verified(store: ObjectStore, key: str, data: bytes, *, repair: bool = False) -> str | None:
+def write_verified(store: ObjectStore, key: str, body: Body, *, repair: bool = False) -> str | None:
     """Create ``key`` (create-only; ``repair`` replaces an object that failed its check) and read it
-    back: None when the stored bytes verify, else why not."""
-    expected = sha256_of(data)
-    if repair:
-        store.put_bytes(key, data)
-    elif not store.put_if_absent(key, data):
-        # Created by someone else meanwhile: it is kept whatever it holds, and checked below.
-        pass
-    found = stored_sha256(store, key)
-    if found == expected:
+    back: None when the stored bytes verify, else why not. An object created by someone else
+    meanwhile is kept whatever it holds, and checked the same way."""
+    if body.data is not None:
+        if repair:
+            store.put_bytes(key, body.data)
+        else:
+            store.put_if_absent(key, body.data)
+    elif repair or not store.exists(key):
+        store.put_file(key, body.path)  # type: ignore[arg-type]
+    found = stored_digest(store, key)
+    if found == (body.size, body.sha256):
         return None
-    return "missing after the copy" if found is None else f"SHA-256 {found[:12]} after the copy, expected {expected[:12]}"
+    return "missing after the copy" if found is None else \
+        f"SHA-256 {found[1][:12]} after the copy, expected {body.sha256[:12]}"
 
 
 def _copy_object(rs: ReplicaSet, w: Wanted, store: ObjectStore, outcome: SetOutcome, log: Any) -> Copied | None:
     """One object in place on the DR side (copied, or found there and verified), or None with the
     problem noted in ``outcome``."""
-    try:
-        existing = store.get_bytes(w.key)
-    except FileNotFoundError:
-        existing = None
-    have = sha256_of(existing) if existing is not None else None
-    if have is not None and have == w.sha256:
-        return Copied(w.key, len(existing), have)  # type: ignore[arg-type]
-    data, why = read_source(w)
-    if data is None:
+    stored = stored_digest(store, w.key)
+    have = stored[1] if stored is not None else None
+    if stored is not None and have == w.sha256:
+        return Copied(w.key, stored[0], stored[1])
+    body, why = read_source(w)
+    if body is None:
         outcome.problems.append(Problem(rs.kind, rs.name, w.key, why or "unreadable"))
         return None
-    digest = sha256_of(data)
-    if have is not None and have == digest:
-        return Copied(w.key, len(data), digest)
+    if have is not None and have == body.sha256:
+        return Copied(w.key, body.size, body.sha256)
     if have is not None and w.sha256 is None:
         # No digest at the source to tell which side is right: the DR copy is kept, never overwritten.
         outcome.problems.append(Problem(rs.kind, rs.name, w.key, (
             f"the source ({w.source or 'source'}) differs from the copy already on the DR side (SHA-256 "
-            f"{digest[:12]} vs {have[:12]}); the DR copy is kept")))
+            f"{body.sha256[:12]} vs {have[:12]}); the DR copy is kept")))
         return None
     repair = have is not None
     if repair:
         # The DR object does not match the source manifest (damaged where it lies): replaced with
         # source bytes that do.
         log.warning("%s: %s on the DR side does not verify; copying it again from the source", rs.label, w.key)
-    failed = write_verified(store, w.key, data, repair=repair)
+    failed = write_verified(store, w.key, body, repair=repair)
     if failed is not None:
         outcome.problems.append(Problem(rs.kind, rs.name, w.key, f"copy did not verify: {failed}"))
         return None
     outcome.objects_copied += 1
-    outcome.bytes_copied += len(data)
+    outcome.bytes_copied += body.size
     outcome.repaired += int(repair)
-    return Copied(w.key, len(data), digest)
+    return Copied(w.key, body.size, body.sha256)
 
 
 def replicate_set(rs: ReplicaSet, store: ObjectStore, *, log: Any = logger) -> SetOutcome:

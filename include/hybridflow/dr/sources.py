@@ -57,8 +57,11 @@ def dataset_set(version: DatasetVersion, location: Location, *, open_store: Call
     name = m.dataset
     entries = tuple(ManifestEntry(path=e.path, key=blob_key(name, e.sha256), size=e.size, sha256=e.sha256)
                     for e in sorted(m.entries, key=lambda e: e.path))
+    # Folder datasets are checked and sent from where their files lie, never read whole into memory.
     objects = {e.key: Wanted(e.key, e.size, e.sha256, _file_reader(location, e.path, open_store),
-                             source=f"{location.uri}/{e.path}") for e in entries}
+                             source=f"{location.uri}/{e.path}",
+                             path=location.path / e.path if location.path is not None else None)
+               for e in entries}
 
     def manifest_for(_copied: list[Copied]) -> bytes:
         blobs = tuple(BlobRecord(key=k, size=w.size or 0, sha256=w.sha256 or "") for k, w in sorted(objects.items()))
