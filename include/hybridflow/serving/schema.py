@@ -4,6 +4,7 @@ tests) reads requests exactly as the model server does."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -32,6 +33,11 @@ class InputSchema:
         self.columns = [(name, col.type, col.min, col.max) for name, col in sig.input_columns]
         self.names = [name for name, *_ in self.columns]
         self.index = {name: i for i, name in enumerate(self.names)}
+        # For the common request (rows as lists of plain numbers) checked as whole arrays.
+        self._numeric = all(kind != "bool" for _, kind, _, _ in self.columns)
+        self._ints = np.array([kind == "int" for _, kind, _, _ in self.columns])
+        self._lo = np.array([-np.inf if lo is None else lo for _, _, lo, _ in self.columns])
+        self._hi = np.array([np.inf if hi is None else hi for _, _, _, hi in self.columns])
 
     @property
     def width(self) -> int:
@@ -98,6 +104,9 @@ class InputSchema:
             raise BadRequest('"instances" must be a non-empty list of rows')
         if len(rows) > max_instances:
             raise BadRequest(f'"instances" has {len(rows)} rows; at most {max_instances} per request, split the batch')
+        fast = self._parse_numbers(rows)
+        if fast is not None:
+            return fast
         out = np.empty((len(rows), self.width), dtype=np.float32)
         for i, row in enumerate(rows):
             values = self._row(i, row)
@@ -106,6 +115,24 @@ class InputSchema:
             else:
                 out[i] = values
         return out
+
+    def _parse_numbers(self, rows: list) -> np.ndarray | None:
+        """Rows of plain numbers that pass every check, as one array; None for anything else (the
+        row-by-row path then accepts it or says exactly what to fix). The row-by-row check costs a
+        tenth of the server's time at 64 concurrent clients; this one a few microseconds."""
+        width = self.width
+        if not self._numeric or not all(type(row) is list and len(row) == width for row in rows):
+            return None
+        # JSON gives int, float and bool; bool is not a number here and np.array would take it as 1.
+        if not set(map(type, itertools.chain.from_iterable(rows))) <= {int, float}:
+            return None
+        try:
+            x = np.array(rows, dtype=np.float64)
+        except OverflowError:
+            return None
+        ok = (np.isfinite(x).all() and (x >= self._lo).all() and (x <= self._hi).all()
+              and (x[:, self._ints] == np.round(x[:, self._ints])).all())
+        return x.astype(np.float32) if ok else None
 
     def instances(self, x: np.ndarray) -> list[list[Any]]:
         """Rows of ``x`` (signature order) as a client sends them: ints, booleans and floats as JSON."""

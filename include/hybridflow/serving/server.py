@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import gc
 import json
-import logging
 import os
 import socket
 import sys
@@ -277,7 +276,12 @@ def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: in
     rest = RESTServer("kserve.model_server:app", model_server.dataplane, model_server.model_repository_extension,
                       0)
     rest.create_application()
-    logging.getLogger("kserve.trace").setLevel(logging.WARNING)  # two lines per request otherwise
+    # KServe's TimingMiddleware reads the process's CPU time twice per request to log it at INFO on
+    # kserve.trace: 7 % of the event loop at 64 concurrent clients, for lines nobody keeps. Latency is
+    # in KServe's own histograms on /metrics.
+    from timing_asgi import TimingMiddleware
+
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
     _invalid_input(app)
     bounded = Bounds(app, version=version, max_body_bytes=int(max_body_mib * 2**20), timeout_s=request_timeout_s)
     return bounded, batcher
