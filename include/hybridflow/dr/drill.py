@@ -1,0 +1,249 @@
+"""A disaster-recovery drill: a minimum-scale takeover end to end, measured, then failback.
+
+Four steps, each safe to clear and run again (the report in private storage carries what the
+earlier ones did, :mod:`hybridflow.dr.drill_report`):
+
+1. :func:`declare` — the primary's newest committed checkpoint step is noted (the recovery point to
+   measure against), then the primary is declared down through the fence
+   (:func:`hybridflow.dr.fencing_drain.fence_and_drain`): no new placements there and its gangs
+   checkpointed and stopped before anything starts on the DR side, so two sides never write at
+   once. A primary already down for another reason (a real outage) is refused: a drill must not
+   fail it back.
+2. :func:`take_over` — on the DR cluster, from the DR store only: the critical endpoint served from
+   the replicated model and answering, and the critical run resumed from its replicated checkpoint
+   and stepping (:mod:`hybridflow.dr.drill_takeover`); both are then stopped.
+3. :func:`fail_back` — nothing of the drill left running on the DR side (its server and gang stopped,
+   found by what the report recorded), and the primary declared up if the drill declared it down.
+4. :func:`judge` — RTO and RPO against the targets; a miss fails, naming the step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from hybridflow.dr.drill_report import DrillError, DrillMissed, Targets, judge, read_report, update_report
+from hybridflow.dr.replicas import logger
+
+REASON_PREFIX = "dr drill"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A drill's input, checked against the estate before anything is done."""
+
+    drill: str
+    primary: str
+    dr: Any  # the DR cluster
+    dr_spec: Any  # its store
+    targets: Targets
+    endpoint: str | None = None
+    run_key: str | None = None
+    workers: int = 1
+    extra_steps: int = 20
+
+    @property
+    def reason(self) -> str:
+        return f"{REASON_PREFIX} {self.drill}: minimum-scale takeover by the dr_drill DAG, failed back when done"
+
+
+def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = None) -> Plan:
+    """The drill ``params`` ask for; DrillError naming the Param when they cannot be right."""
+    from hybridflow.dr.fencing import FencingError, check_down
+    from hybridflow.dr.scope import ReplicationError, dr_cluster
+
+    try:
+        dr = dr_cluster(estate, params.get("dr_cluster") or None)
+    except ReplicationError as exc:
+        raise DrillError("dr_cluster", str(exc).split(": ", 1)[-1]) from None
+    primary = params.get("primary") or _only_primary(estate)
+    try:
+        check_down(estate, primary, REASON_PREFIX)
+    except FencingError as exc:
+        raise DrillError("primary", str(exc)) from None
+    if dr_spec is None:
+        from hybridflow.placement.places import cache_store_spec
+
+        dr_spec = cache_store_spec(dr)
+    workers = int(params.get("workers") or 1)
+    if workers < 1 or workers > dr.total_gpus:
+        raise DrillError("workers", f"{workers}: the DR cluster {dr.name} has {dr.total_gpus} GPUs; use 1..{dr.total_gpus}")
+    return Plan(drill=drill, primary=primary, dr=dr, dr_spec=dr_spec, targets=Targets.from_params(params),
+                endpoint=params.get("endpoint") or None, run_key=params.get("run_key") or None, workers=workers,
+                extra_steps=int(params.get("extra_steps") or 20))
+
+
+def _only_primary(estate) -> str:
+    primaries = sorted(n for n, c in estate.clusters.items() if c.role == "primary")
+    if len(primaries) != 1:
+        raise DrillError("primary", f"name the primary to declare down (role primary in clusters.yaml: "
+                                    f"{', '.join(primaries) or 'none'})")
+    return primaries[0]
+
+
+def _primary_steps(estate, settings, primary: str, run_key: str) -> tuple[list[int], str]:
+    """The committed checkpoint steps of ``run_key`` in the primary's checkpoint places, and a note
+    of each place that could not be read."""
+    from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    cluster = estate.clusters[primary]
+    steps, notes = [], []
+    for spec in (checkpoint_store_spec(run_key, cluster, settings), checkpoint_replica_spec(run_key, cluster, settings)):
+        try:
+            steps += CheckpointStore(open_store(spec)).committed_steps()
+        except Exception as exc:  # noqa: BLE001 - a primary in trouble may not answer: noted
+            notes.append(f"{spec.uri}: {type(exc).__name__}: {exc}")
+    return steps, "; ".join(notes)
+
+
+def _interval(primary_steps: list[int], plan: Plan) -> int:
+    """One checkpoint interval of the run: the target's rpo_steps, else the gap between the
+    primary's two newest committed checkpoints, else the pipeline's default checkpoint_every_steps."""
+    if plan.targets.rpo_steps is not None:
+        return plan.targets.rpo_steps
+    steps = sorted(set(primary_steps))
+    if len(steps) >= 2:
+        return steps[-1] - steps[-2]
+    from hybridflow.admission import RunRequest
+
+    return int(RunRequest.model_fields["checkpoint_every_steps"].default)
+
+
+def declare(plan: Plan, estate, settings, *, by: str | None = None) -> dict[str, Any]:
+    """Step 1: note the recovery point, then fence the primary (see the module doc)."""
+    from hybridflow.dr.drill_replicas import choose_run
+    from hybridflow.dr.fencing import down_clusters, state_path
+    from hybridflow.dr.fencing_drain import fence_and_drain
+    from hybridflow.storage.objectstore import open_store
+
+    report = read_report(settings.private_root, plan.drill)
+    standing = down_clusters(state_path(settings.state_dir)).get(plan.primary)
+    if standing is not None and not str(standing.get("reason", "")).startswith(plan.reason):
+        raise DrillError("primary", f"{plan.primary} is declared down already ({standing.get('reason')}, by "
+                                    f"{standing.get('by')}): a drill would fail it back; drill when it is up")
+    if standing is not None and report.get("declared_ts"):
+        return report  # this step ran already: the first declaration is the one measured
+    run_key = choose_run(open_store(plan.dr_spec), plan.run_key)
+    steps, note = _primary_steps(estate, settings, plan.primary, run_key)
+    primary_step = max(steps) if steps else None
+    out = fence_and_drain(plan.primary, plan.reason, by=by or "dr_drill", estate=estate, state_dir=settings.state_dir)
+    declared = time.time()
+    logger.info("drill %s: %s declared down at %s; the primary's newest checkpoint of %s is step %s", plan.drill,
+                plan.primary, out["record"].get("declared_at"), run_key, primary_step)
+    return update_report(
+        settings.private_root, plan.drill, primary=plan.primary, dr_cluster=plan.dr.name, run_key=run_key,
+        declared_ts=declared, declared_at=datetime.fromtimestamp(declared, UTC).isoformat(timespec="seconds"),
+        declared_by_drill=True, primary_step=primary_step, primary_note=note, targets=plan.targets.to_dict(),
+        checkpoint_interval_steps=_interval(steps, plan),
+        fence=out["record"], status="declared")
+
+
+def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
+    """Step 2: serve and train on the DR cluster from the DR store, check both, stop both."""
+    from hybridflow.dr.drill_replicas import choose_endpoint, newest_dataset
+    from hybridflow.dr.drill_takeover import start_inference, start_training, wait_stepping
+    from hybridflow.placement.places import scratch_root
+    from hybridflow.storage.objectstore import open_store
+
+    report = read_report(settings.private_root, plan.drill)
+    if not report.get("declared_ts"):
+        raise DrillError("declare", f"drill {plan.drill} has not declared {plan.primary} down; run declare first")
+    store = open_store(plan.dr_spec)
+    endpoint = choose_endpoint(store, plan.endpoint)
+    scratch = scratch_root(plan.dr, settings) / "drills" / plan.drill
+    gang = server = None
+    parts: dict[str, Any] = {"status": "taking over", "takeover_started_ts": time.time()}
+    try:
+        gang, parts["training"] = start_training(
+            estate, settings, plan.dr, plan.dr_spec, report["run_key"], plan.drill,
+            f"t{int(parts['takeover_started_ts'] * 1000)}", workers=plan.workers, extra_steps=plan.extra_steps)
+        update_report(settings.private_root, plan.drill, **parts)
+        server, parts["inference"] = start_inference(
+            plan.dr_spec, endpoint, scratch,
+            lambda pid: update_report(settings.private_root, plan.drill, server_pid=pid))
+        step, when = wait_stepping(gang, timeout_s=plan.targets.training_rto_s * 2)
+        parts["training"].update(stepping_step=step, stepping_ts=when, gang_outcome=dict(gang.outcome))
+        data = newest_dataset(plan.dr_spec, estate.models.get(parts["training"]["model"]).dataset)
+        parts["dataset"] = None if data is None else {"dataset": data.dataset, "manifest_key": data.manifest_key,
+                                                      "created_at": data.created_at, "age_s": data.age_s}
+        parts["status"] = "taken over" if step is not None else "training did not step"
+    except DrillError:
+        raise
+    except Exception as exc:
+        parts["status"] = "failed"
+        parts["error"] = f"{type(exc).__name__}: {exc}"
+        logger.exception("drill %s: the takeover failed", plan.drill)
+    finally:
+        if server is not None:
+            server.server_close()
+        if gang is not None:
+            gang.stop()
+        update_report(settings.private_root, plan.drill, **parts)
+    return read_report(settings.private_root, plan.drill)
+
+
+def _stop_server(pid: int | None) -> bool:
+    """End the drill's model server by the pid the report recorded, if that process is still it."""
+    if not pid:
+        return False
+    try:
+        cmdline = open(f"/proc/{int(pid)}/cmdline", "rb").read().decode(errors="replace")
+    except OSError:
+        return False
+    if "hybridflow.serving.server" not in cmdline:
+        return False  # the pid was reused by another process: not ours
+    import signal
+
+    os.kill(int(pid), signal.SIGTERM)
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{int(pid)}"):
+            break
+        time.sleep(0.1)
+    return True
+
+
+def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[str, Any]:
+    """Step 3: nothing of the drill running on the DR side, and the primary up (if the drill put
+    it down). Safe to run any number of times, also after a failed take_over."""
+    from hybridflow.backends import gang_backend
+    from hybridflow.dr.drill_takeover import gang_name
+    from hybridflow.dr.fencing import declare_up, state_path
+
+    report = read_report(settings.private_root, plan.drill)
+    backend = gang_backend(plan.dr, estate, settings.state_dir)
+    name = gang_name(plan.drill)
+    stopped_gang = backend.cancel(name)
+    stopped_server = _stop_server(report.get("server_pid"))
+    for _ in range(300):  # the gang's workers commit their last checkpoint, then leave
+        if name not in backend.find_gangs({}):
+            break
+        time.sleep(0.1)
+    still = [g for g in backend.find_gangs({}) if g == name]
+    up = None
+    if report.get("declared_by_drill"):
+        up = declare_up(plan.primary, by=by or "dr_drill", estate=estate, path=state_path(settings.state_dir)).to_dict()
+    out = update_report(settings.private_root, plan.drill, failed_back_ts=time.time(), failback={
+        "primary_up": up, "stopped_gang": stopped_gang, "stopped_server": stopped_server, "dr_still_running": still})
+    if still:
+        raise DrillError("fail_back", f"gang {name} still runs on {plan.dr.name}; clear fail_back to stop it")
+    return out
+
+
+def finish(plan: Plan, settings) -> dict[str, Any]:
+    """Step 4: the figures and the verdict into the report; DrillMissed naming each missed step."""
+    report = read_report(settings.private_root, plan.drill)
+    figures, missed = judge(report)
+    if report.get("error"):
+        missed.insert(0, f"take_over failed: {report['error']}")
+    verdict = "met" if not missed else "missed"
+    report = update_report(settings.private_root, plan.drill, figures=figures, missed=missed, verdict=verdict,
+                           status="done")
+    if missed:
+        raise DrillMissed(f"drill {plan.drill} missed its targets:\n" + "\n".join(f"  - {m}" for m in missed))
+    return report
