@@ -14,7 +14,15 @@ import yaml
 
 from hybridflow.config import load_estate
 from hybridflow.dr import drill as drills
-from hybridflow.dr.drill_report import DrillError, DrillMissed, Targets, history, judge, read_report, report_path
+from hybridflow.dr.drill_report import (
+    DrillError,
+    DrillMissed,
+    Targets,
+    history,
+    judge,
+    read_report,
+    report_path,
+)
 from hybridflow.dr.fencing import down_clusters, read_fence, state_path
 from hybridflow.settings import REPO_ROOT, Settings
 
@@ -78,7 +86,7 @@ def test_a_missed_target_fails_the_judging_step_and_is_kept_in_the_report(tmp_pa
     with pytest.raises(DrillMissed, match=r"drill d1 missed its targets:\n  - inference: serving the replicated "
                                           r"model on the DR cluster: took 12.5 s after the declaration, target "
                                           r"inference_rto_s <= 5 s$"):
-        drills.finish(plan, settings)
+        drills.finish(plan, estate, settings)
     kept = read_report(settings.private_root, "d1")
     assert kept["verdict"] == "missed" and kept["figures"]["inference_rto_s"] == 12.5
     assert [r["drill"] for r in history(settings.private_root)] == ["d1"]
@@ -184,7 +192,7 @@ def test_a_drill_takes_over_from_the_replicated_data_with_the_primary_s_storage_
     again = drills.fail_back(plan, estate, settings)  # cleared and run again: still up, nothing on DR
     assert again["failback"]["primary_up"]["changed"] is False
 
-    done = drills.finish(plan, settings)
+    done = drills.finish(plan, estate, settings)
     figures = done["figures"]
     assert done["verdict"] == "met" and done["missed"] == []
     assert 0 < figures["inference_rto_s"] <= 60 and 0 < figures["training_rto_s"] <= 120
@@ -196,3 +204,27 @@ def test_a_drill_takes_over_from_the_replicated_data_with_the_primary_s_storage_
     from hybridflow.storage.objectstore import open_store
 
     assert reconcile(open_store(cache_store_spec(estate.clusters["dr-west"]))).drift == []
+
+
+def test_the_dag_steps_fail_without_retry_naming_the_param_and_a_drill_never_declared_keeps_no_report(
+        tmp_path: Path, monkeypatch) -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.dr.drill_task import declare_task, fail_back_task, judge_task
+
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(SHIPPED))
+    with pytest.raises(AirflowFailException, match=r"^dr drill: dr_cluster: no cluster in clusters.yaml has role"):
+        declare_task({}, "manual__1")
+    settings = Settings(home=tmp_path / "home", config_dir=_config(tmp_path))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(settings.config_dir))
+    with pytest.raises(AirflowFailException, match=r"^dr drill: clusters.dr-west.cache.conn_id: Airflow Connection "
+                                                   r"hybridflow_dr_west does not exist; add Airflow Connection"):
+        declare_task({}, "manual__1")
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", "aws://key:secret@?endpoint_url=http%3A%2F%2F127.0.0.1%3A9")
+    # declare_down failed (say, the primary was down for real): fail_back touches nothing, judge keeps nothing.
+    fail_back_task({}, "manual__1")
+    with pytest.raises(AirflowFailException, match=r"^declare_down: drill manual__1 did not declare onprem-a down"):
+        judge_task({}, "manual__1")
+    assert read_fence(state_path(settings.state_dir))["history"] == []
+    assert not (settings.private_root / "drills").exists()

@@ -66,8 +66,12 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
     except FencingError as exc:
         raise DrillError("primary", str(exc)) from None
     if dr_spec is None:
+        from hybridflow.dr.readiness import check_readiness
         from hybridflow.placement.places import cache_store_spec
 
+        missing = check_readiness(dr, estate)
+        if missing:
+            raise DrillError(missing[0].field, f"{missing[0].what}; {missing[0].fix}")
         dr_spec = cache_store_spec(dr)
     workers = int(params.get("workers") or 1)
     if workers < 1 or workers > dr.total_gpus:
@@ -168,7 +172,7 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
             plan.dr_spec, endpoint, scratch,
             lambda pid: update_report(settings.private_root, plan.drill, server_pid=pid))
         step, when = wait_stepping(gang, timeout_s=plan.targets.training_rto_s * 2)
-        parts["training"].update(stepping_step=step, stepping_ts=when, gang_outcome=dict(gang.outcome))
+        parts["training"].update(stepping_step=step, stepping_ts=when)
         data = newest_dataset(plan.dr_spec, estate.models.get(parts["training"]["model"]).dataset)
         parts["dataset"] = None if data is None else {"dataset": data.dataset, "manifest_key": data.manifest_key,
                                                       "created_at": data.created_at, "age_s": data.age_s}
@@ -184,6 +188,8 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
             server.server_close()
         if gang is not None:
             gang.stop()
+            if "training" in parts:
+                parts["training"]["gang_outcome"] = dict(gang.outcome)
         update_report(settings.private_root, plan.drill, **parts)
     return read_report(settings.private_root, plan.drill)
 
@@ -228,16 +234,23 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
     up = None
     if report.get("declared_by_drill"):
         up = declare_up(plan.primary, by=by or "dr_drill", estate=estate, path=state_path(settings.state_dir)).to_dict()
-    out = update_report(settings.private_root, plan.drill, failed_back_ts=time.time(), failback={
-        "primary_up": up, "stopped_gang": stopped_gang, "stopped_server": stopped_server, "dr_still_running": still})
+    failback = {"primary_up": up, "stopped_gang": stopped_gang, "stopped_server": stopped_server,
+                "dr_still_running": still}
+    # A drill that never declared the primary down keeps no report (nothing was measured).
+    out = update_report(settings.private_root, plan.drill, failed_back_ts=time.time(), failback=failback) \
+        if report else {"drill": plan.drill, "failback": failback}
     if still:
         raise DrillError("fail_back", f"gang {name} still runs on {plan.dr.name}; clear fail_back to stop it")
     return out
 
 
-def finish(plan: Plan, settings) -> dict[str, Any]:
-    """Step 4: the figures and the verdict into the report; DrillMissed naming each missed step."""
+def finish(plan: Plan, estate, settings) -> dict[str, Any]:
+    """Step 4: the figures and the verdict into the report; DrillMissed naming each missed step.
+    A drill that never declared the primary down measured nothing and keeps no report."""
     report = read_report(settings.private_root, plan.drill)
+    if not report.get("declared_ts"):
+        raise DrillError("declare_down", f"drill {plan.drill} did not declare {plan.primary} down, so nothing was "
+                                         "measured; see the declare_down task's log")
     figures, missed = judge(report)
     if report.get("error"):
         missed.insert(0, f"take_over failed: {report['error']}")
