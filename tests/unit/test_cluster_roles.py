@@ -27,6 +27,7 @@ def _dr_cluster(**changes) -> dict:
         "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4,
                         "rdma": True, "spot": False}],
         "prices": {"onprem": 0.10},
+        "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
     }
     cluster.update(changes)
     return cluster

@@ -39,7 +39,7 @@ def _config(tmp_path: Path, with_dr: bool = True) -> Path:
             "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
             "dr": {"min_gpus": 2, "peacetime": ["batch"]},
             "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4}],
-            "prices": {"onprem": 0.80},
+            "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
         }
         (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return target

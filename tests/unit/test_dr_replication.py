@@ -21,6 +21,7 @@ from hybridflow.dr.readiness import check_readiness
 from hybridflow.dr.reconcile import reconcile
 from hybridflow.dr.replication import healthy_sources, replicate
 from hybridflow.dr.scope import CriticalRun, NoDrCluster, ReplicationError
+from hybridflow.errors import ConfigError
 from hybridflow.settings import REPO_ROOT, Settings
 from hybridflow.storage.objectstore import LocalObjectStore
 from hybridflow.training.checkpoint import CheckpointStore
@@ -253,9 +254,8 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(tmp_path: Path, home: 
         _replicate(estate, home, datasets=["nope"])
     with pytest.raises(ReplicationError, match=r"^endpoints: nope not served here"):
         _replicate(estate, home, endpoints=["nope"])
-    no_store = _estate(tmp_path / "b", {k: v for k, v in _dr_cluster().items() if k != "cache"})
-    with pytest.raises(ReplicationError, match=r"^clusters.dr-west.cache: a dr cluster needs cache"):
-        _replicate(no_store, home)
+    with pytest.raises(ConfigError, match=r"clusters.dr-west.cache: a dr cluster needs cache"):
+        _estate(tmp_path / "b", {k: v for k, v in _dr_cluster().items() if k != "cache"})
     assert list(home.dr.list("")) == []
 
 

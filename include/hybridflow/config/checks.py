@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
-from hybridflow.config.base import CLUSTERS_FILE, PROJECTS_FILE
+from hybridflow.config.base import CLUSTERS_FILE, DATASETS_FILE, MODELS_FILE, PROJECTS_FILE
 from hybridflow.config.clusters import CheckpointPlace, Cluster, ClustersFile
 from hybridflow.config.pipeline import MeteringSettings, ReaperSettings, ServingSettings
 from hybridflow.config.projects import ProjectsFile
@@ -42,12 +42,17 @@ def _check_clusters(path: Path, cf: ClustersFile, pf: ProjectsFile) -> list[str]
 
 
 def _check_role(at: str, c: Cluster) -> list[str]:
-    """A dr cluster says its takeover scale (within its pools) and, if public, why; others have no dr block."""
+    """A dr cluster says its takeover scale (within its pools) and, if public, why, and has the object
+    store replication fills; others have no dr block."""
     if not c.is_dr:
         return [] if c.dr is None else [f"{at}.dr: only for role: dr (the cluster's role is {c.role}); remove it"]
-    if c.dr is None:
-        return [f"{at}.dr: a role: dr cluster needs dr: {{min_gpus: N}}, the GPUs of its minimum takeover scale"]
     problems: list[str] = []
+    if c.cache is None:  # replication copies into it ahead of need; a takeover reads from it
+        problems.append(f"{at}.cache: a dr cluster needs cache: {{conn_id, bucket}}, the object store its takeover "
+                        "reads; add one")
+    if c.dr is None:
+        return problems + [f"{at}.dr: a role: dr cluster needs dr: {{min_gpus: N}}, the GPUs of its minimum "
+                           "takeover scale"]
     if c.dr.min_gpus > c.total_gpus:
         problems.append(f"{at}.dr.min_gpus: {c.dr.min_gpus} GPUs, but the cluster's node pools hold "
                         f"{c.total_gpus}; lower min_gpus or add the GPUs to node_pools")
@@ -56,6 +61,28 @@ def _check_role(at: str, c: Cluster) -> list[str]:
                         "can never fail over there); add public_reason or use a private cluster")
     if c.is_private and c.dr.public_reason is not None:
         problems.append(f"{at}.dr.public_reason: only for a dr cluster on location: public; remove it")
+    return problems
+
+
+def _check_dr_replicate(path: Path, cf: ClustersFile, catalogue: Any, registry: Any) -> list[str]:
+    """``dr.replicate`` names datasets of the catalogue and endpoints of the registry (each checked only
+    when its file exists: an estate that only meters has neither)."""
+    problems: list[str] = []
+    endpoints = sorted({m.endpoint for m in registry.models.values()})
+    for name, c in cf.clusters.items():
+        if c.dr is None:
+            continue
+        at = f"{path}: clusters.{name}.dr.replicate"
+        if Path(catalogue.path).is_file():
+            for i, ds in enumerate(c.dr.replicate.datasets):
+                if ds not in catalogue.datasets:
+                    problems.append(f"{at}.datasets[{i}]: {ds!r} is not in {DATASETS_FILE}; use one of: "
+                                    f"{', '.join(sorted(catalogue.datasets)) or 'none'}")
+        if Path(registry.path).is_file():
+            for i, ep in enumerate(c.dr.replicate.endpoints):
+                if ep not in endpoints:
+                    problems.append(f"{at}.endpoints[{i}]: {ep!r} is no model's endpoint in {MODELS_FILE}; use one "
+                                    f"of: {', '.join(endpoints) or 'none'}")
     return problems
 
 
