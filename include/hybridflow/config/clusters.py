@@ -41,6 +41,16 @@ ClusterRole = Literal["primary", "elastic", "dr"]
 RunPriority = Literal["critical", "normal", "batch"]
 
 
+class DrReplicate(_Model):
+    """The critical services a takeover must bring back: what the replication DAG keeps on the DR side."""
+
+    # Model gateway endpoints whose served versions are copied (default, empty: every endpoint served).
+    endpoints: list[str] = Field(default_factory=list)
+    # Catalogue datasets whose validated versions are copied (default, empty: each copied endpoint's
+    # model's dataset).
+    datasets: list[str] = Field(default_factory=list)
+
+
 class DrSettings(_Model):
     """What a ``role: dr`` cluster must offer in a takeover, and the work it may take meanwhile."""
 
@@ -50,6 +60,8 @@ class DrSettings(_Model):
     peacetime: list[RunPriority] = Field(default_factory=list)
     # A dr cluster on a public location must say why that is acceptable (restricted data never moves there).
     public_reason: str | None = Field(default=None, min_length=1)
+    # What replication keeps on this cluster ahead of need (default: everything served).
+    replicate: DrReplicate = Field(default_factory=DrReplicate)
 
 
 class Cluster(_Model):

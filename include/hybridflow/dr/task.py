@@ -35,6 +35,28 @@ def _fail_with(lines: list[str], what: str) -> None:
         raise DrNotReady(f"{what}:\n{shown}{more}")
 
 
+def configured_scope(cluster, settings, log: Any = logger) -> tuple[list[str] | None, list[str] | None]:
+    """(endpoints, datasets) of the cluster's ``dr.replicate`` for :func:`~hybridflow.dr.replication.replicate`:
+    None where the list is empty (everything served, each endpoint's dataset). A configured endpoint
+    not served yet has nothing to copy: it is logged and left out, not an error."""
+    from pathlib import Path
+
+    from hybridflow.dr.scope import served_endpoints
+
+    wanted = cluster.dr.replicate if cluster.dr is not None else None
+    if wanted is None:
+        return None, None
+    endpoints = None
+    if wanted.endpoints:
+        served = set(served_endpoints(Path(settings.state_dir) / "serving"))
+        endpoints = [e for e in wanted.endpoints if e in served]
+        for e in wanted.endpoints:
+            if e not in served:
+                log.warning("DR cluster %s: endpoint %s (dr.replicate.endpoints) is not served yet; nothing of it "
+                            "to replicate", cluster.name, e)
+    return endpoints, list(wanted.datasets) or None
+
+
 def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
     """Replicate to every DR cluster and check what each needs for a takeover."""
     from hybridflow.dr.readiness import check_readiness
@@ -55,7 +77,8 @@ def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
         if any(m.field.endswith(".cache.conn_id") for m in missing):
             out.append({"cluster": cluster.name, "readiness": [m.to_dict() for m in missing]})
             continue  # its store cannot be opened; the other DR clusters still get their copy
-        report = replicate(estate, settings, cluster=cluster.name, log=log)
+        endpoints, datasets = configured_scope(cluster, settings, log)
+        report = replicate(estate, settings, cluster=cluster.name, endpoints=endpoints, datasets=datasets, log=log)
         trouble += [f"{cluster.name}: {p}" for p in report.all_problems]
         out.append({**report.to_dict(), "readiness": [m.to_dict() for m in missing]})
     _fail_with(trouble, "the DR side is not wholly ready (everything else was replicated)")
@@ -78,7 +101,8 @@ def reconciliation_task(*, log: Any = logger) -> dict[str, Any]:
     out, trouble = [], []
     for cluster in clusters:
         dr = dr_cluster(estate, cluster.name)
-        sources = healthy_sources(estate, settings, cluster=dr.name)
+        endpoints, datasets = configured_scope(dr, settings, log)  # repaired from what replication copies
+        sources = healthy_sources(estate, settings, cluster=dr.name, endpoints=endpoints, datasets=datasets)
         report = reconcile(open_store(cache_store_spec(dr)), sources, log=log)
         trouble += [f"{dr.name}: {p}" for p in report.unrepaired]
         out.append({"cluster": dr.name, **report.to_dict()})
