@@ -1,12 +1,12 @@
 """Admission's look at the Kubernetes clusters a run may be placed on.
 
 The clusters a run may use are those placement could choose for it by the rules that need no load
-reading (sovereignty, region, cluster_preference, GPU model, spot, gang size, price ceiling:
-:func:`hybridflow.placement.rules.choose_cluster` with no usage). For each of them with backend
-kubernetes, its Connection must exist, its kubeconfig must load through the provider's
-``KubernetesHook``, and the API server must answer one authenticated list of the cluster's gang
-jobs (Volcano Jobs or batch Jobs, limit 1) within ``placement.cluster_read_timeout_s`` (per try:
-the client tries a failed connection up to four times).
+reading (sovereignty, region, cluster_preference, GPU model, spot, gang size, price ceiling, and
+the clusters declared down: :func:`hybridflow.placement.rules.choose_cluster` with no usage). For
+each of them with backend kubernetes, its Connection must exist, its kubeconfig must load through
+the provider's ``KubernetesHook``, and the API server must answer one authenticated list of the
+cluster's gang jobs (Volcano Jobs or batch Jobs, limit 1) within ``placement.cluster_read_timeout_s``
+(per try: the client tries a failed connection up to four times).
 
 A cluster that fails is one placement would never choose (its load reads as unknown), so the run is
 refused only when no cluster it may use is left; otherwise each failure is a warning in the task
@@ -51,12 +51,14 @@ class ConnectionProblem:
 
 def candidate_clusters(run: AdmittedRun, estate: Estate) -> list[Cluster]:
     """The clusters placement could choose for ``run`` whatever their load (none: placement itself
-    explains why no cluster fits)."""
+    explains why no cluster fits). Clusters declared down are left out as placement leaves them out:
+    in a takeover a critical run is not refused because the primary's Connection does not answer."""
     from hybridflow.placement.rules import choose_cluster
+    from hybridflow.placement.takeover import current
 
     try:
-        decision = choose_cluster(run, estate, {})
-    except PlacementError:
+        decision = choose_cluster(run, estate, {}, takeover=current(estate))
+    except PlacementError:  # a run held by the takeover too: placement says why, and holds it
         return []
     return [estate.clusters[c["cluster"]] for c in decision.candidates if c["eligible"]]
 
