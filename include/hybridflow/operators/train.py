@@ -14,6 +14,27 @@ if TYPE_CHECKING:
     from hybridflow.training.job import TrainJob
 
 
+def fenced(cluster: str, settings: Any = None) -> str | None:
+    """Why ``cluster`` takes no gang now (declared down: who, when, why) and the fix; None when it is up."""
+    from hybridflow.dr.fencing import down_clusters, state_path
+
+    record = down_clusters(state_path(None if settings is None else settings.state_dir)).get(cluster)
+    if record is None:
+        return None
+    return (f"cluster {cluster} is declared down (at {record.get('declared_at')} by {record.get('by')}: "
+            f"{record.get('reason') or 'no reason kept'}) and takes no new gangs. Clear the choose_cluster task (and "
+            f"its downstream tasks) so placement picks again, or `hybridflow cluster up {cluster}` once it is back "
+            "and clear the train task")
+
+
+def _resume_hint(job: TrainJob) -> str:
+    """What to do about a gang stopped on purpose, whatever stopped it."""
+    return (f"The newest checkpoint is kept in {job.ckpt_spec.uri}: clear the train task to resume from it once "
+            "the stop no longer holds (the budget freeze lifted, or the cluster declared up again with "
+            "`hybridflow cluster up`); for a cluster declared down, clearing the choose_cluster task places the run "
+            "again")
+
+
 class GangTrainOperator(BaseOperator):
     """Run distributed training as a gang (all workers or none) and bring the model home.
 
@@ -123,6 +144,12 @@ class GangTrainOperator(BaseOperator):
                 self._leave_queue(exc.cluster, estate, settings)
                 self.log.warning("Moved to cluster %s, which would admit the gang now", moved[0]["cluster"])
                 return moved
+        down = fenced(exc.cluster, settings)
+        if down is not None:  # its queue admits nothing until the cluster is up: do not wait there
+            from airflow.sdk.exceptions import AirflowFailException
+
+            self._leave_queue(exc.cluster, estate, settings)
+            raise AirflowFailException(f"not started: {down}")
         return self._wait_in_queue(context, exc, placement, staged, estate, settings, queued_since)
 
     def _fail_if_expired(self, cluster: str, queued_since: float, max_wait_s: float, standing: str) -> None:
@@ -203,8 +230,13 @@ class GangTrainOperator(BaseOperator):
     def _train_on(self, context, settings, estate, placement: dict, staged: dict,
                   queued_since: float | None = None) -> dict:
         """Train on ``placement``'s cluster; GangNotAdmitted if its gang is not admitted in time."""
+        from airflow.sdk.exceptions import AirflowFailException
+
         from hybridflow.backends import gang_backend
 
+        down = fenced(placement["cluster"], settings)
+        if down is not None:  # a cleared or retried task, or a gang that waited there: no new gang on it
+            raise AirflowFailException(f"not started: {down}")
         job = self._job(context, settings, estate, placement, staged)
         if gang_backend(job.cluster, estate, settings.state_dir).supervised_by_task:
             return self._train_on_local(job, settings, estate, queued_since)
@@ -247,12 +279,10 @@ class GangTrainOperator(BaseOperator):
                 outcome = "not_admitted"  # nothing ran; the task moves the run or keeps it waiting
                 raise
             except GangStopped as exc:
-                # Stopped on purpose (budget freeze): checkpointed, and neither relaunched nor retried.
+                # Stopped on purpose (budget freeze, cluster declared down): checkpointed, and neither
+                # relaunched nor retried.
                 outcome = "stopped"
-                raise AirflowFailException(
-                    f"{exc.reason}. The newest checkpoint is kept in {job.ckpt_spec.uri}: clear the train task "
-                    "once the freeze is lifted to resume from it"
-                ) from exc
+                raise AirflowFailException(f"{exc.reason}. {_resume_hint(job)}") from exc
             except GangPreempted:
                 # on_kill stops the gang with SIGTERM too; that exit is the task's, not a preemption.
                 outcome = "interrupted" if self._killed else "preempted"
@@ -355,8 +385,9 @@ class GangTrainOperator(BaseOperator):
         self.log.info("gang %s admitted on %s after %.1f s in the queue", self._job_name, job.cluster.name, waited_s)
 
     def _end_attempt_on_error(self, job: TrainJob, attempt: dict, exc: BaseException, estate) -> NoReturn:
-        """Record how a Kubernetes gang ended badly and raise: a gang stopped by a budget freeze
-        (deleted, so it ends failed or missing) fails the task without a retry, like a local one."""
+        """Record how a Kubernetes gang ended badly and raise: a gang stopped by a budget freeze or by
+        its cluster declared down (deleted, so it ends failed or missing) fails the task without a
+        retry, like a local one."""
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.backends.local import GangFailed
@@ -367,12 +398,12 @@ class GangTrainOperator(BaseOperator):
             req = job.admitted.request
             try:
                 refuse_if_frozen(req.project, req.priority, req.budget_override, estate)
+                stopped = fenced(job.cluster.name)
             except AdmissionError as frozen:
+                stopped = str(frozen)
+            if stopped is not None:
                 self._end_attempt(job, attempt, "stopped")
-                raise AirflowFailException(
-                    f"gang {self._job_name} stopped: {frozen}. The newest checkpoint is kept in "
-                    f"{job.ckpt_spec.uri}: clear the train task once the freeze is lifted to resume from it"
-                ) from exc
+                raise AirflowFailException(f"gang {self._job_name} stopped: {stopped}. {_resume_hint(job)}") from exc
         from hybridflow.backends.k8s.backend import PreemptionBudgetSpent
 
         if isinstance(exc, PreemptionBudgetSpent) and not self._killed:  # as on the local backend: no retry
