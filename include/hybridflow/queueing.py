@@ -7,7 +7,9 @@ placement chose, in the triggerer (:class:`QueueWaitTrigger`: no worker slot hel
   task's behalf for ``LEASE_S``, and the resumed task launches the gang on them;
 - another eligible cluster would admit it now (``room_elsewhere``, looked for every
   ``training.gang_admission_timeout_s``): the task moves there (:func:`hybridflow.training.failover.fail_over`);
-- it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting.
+- it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting;
+- the cluster is declared down (:mod:`hybridflow.dr.fencing`): the gang is withdrawn, never admitted
+  there, and moves (``room_elsewhere``) or ends its wait (``expired``: the task refuses the cluster).
 
 Its position, the GPUs ahead of it and an estimated start go to the task log and to
 ``runs/<key>/queue.json``, which the run's page shows.
@@ -38,7 +40,7 @@ def _iso(epoch: float | None) -> str | None:
 
 def note_standing(private_root: Path, run_key: str, *, cluster: str, state: str, queued_since: float,
                   standing: Any = None, estimate: Any = None) -> dict:
-    """Write where the run's gang stands (``state``: waiting, admitted, moved, expired) for its page."""
+    """Write where the run's gang stands (``state``: waiting, admitted, moved, expired, fenced) for its page."""
     now = time.time()
     body: dict[str, Any] = {"cluster": cluster, "state": state, "queued_since": _iso(queued_since),
                             "waited_s": round(now - queued_since, 1), "updated_at": _iso(now)}
@@ -126,6 +128,9 @@ class QueueWaitTrigger(BaseTrigger):
             if admitted:
                 yield self._event("admitted", f"gang {self.job['name']} admitted on {self.cluster}", note)
                 return
+            if note.get("fenced"):
+                yield await self._leave_fenced(note["fenced"])
+                return
             line = describe(note)
             if note.get("position") != last:
                 self.log.info("gang %s %s", self.job["name"], line)
@@ -143,6 +148,17 @@ class QueueWaitTrigger(BaseTrigger):
                     return
             await asyncio.sleep(self.poll_s)
 
+    async def _leave_fenced(self, why: str) -> TriggerEvent:
+        """The cluster was declared down while the gang waited in its queue: it is never admitted
+        there. Withdrawn, the gang moves to a cluster that would admit it now, else the wait ends
+        (the resumed task refuses the fenced cluster, naming the fix)."""
+        other = await asyncio.to_thread(room_elsewhere, self.run_info, self.placement, self.cluster)
+        await asyncio.to_thread(self._withdraw, "moved" if other else "fenced")
+        if other:
+            return self._event("room_elsewhere", f"{self.cluster} {why}; {other} would admit the gang now")
+        return self._event("expired", f"gang {self.job['name']} withdrawn: {self.cluster} {why}, and no other "
+                                      "cluster would admit it now")
+
     def _context(self):
         from hybridflow.backends import gang_backend
         from hybridflow.config import load_estate
@@ -157,6 +173,9 @@ class QueueWaitTrigger(BaseTrigger):
         from hybridflow.backends.base import GangJob, QueueStanding
 
         settings, estate, backend = self._context()
+        why = fenced_cluster(self.cluster, settings.state_dir)
+        if why is not None:  # checked before every admission step: a fenced queue admits nothing
+            return False, {"fenced": why}
         team, cap = self.job.get("team") or "", self.job.get("team_cap")
         job = GangJob(name=self.job["name"], workers=int(self.job["workers"]), spec={},
                       labels={"priority": self.job["priority"], "team": team}, team_cap=cap,
@@ -187,6 +206,16 @@ class QueueWaitTrigger(BaseTrigger):
             backend.pool.withdraw(self.job["name"])
         note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster, state=state,
                       queued_since=self.queued_since)
+
+
+def fenced_cluster(cluster: str, state_dir: Path) -> str | None:
+    """``is declared down (...)`` when ``cluster`` is fenced (:mod:`hybridflow.dr.fencing`), else None."""
+    from hybridflow.dr.fencing import down_clusters, state_path
+
+    record = down_clusters(state_path(state_dir)).get(cluster)
+    if record is None:
+        return None
+    return f"is declared down ({record.get('reason') or 'no reason kept'})"
 
 
 def room_elsewhere(run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str) -> str | None:
