@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hybridflow.runs import RunIdentity, run_dir, write_json_atomic
 from hybridflow.settings import Settings, get_settings
@@ -65,20 +65,69 @@ def validate_data(run: Mapping[str, Any], settings: Settings | None = None) -> d
 
 
 def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> dict:
+    """Place the run. A run the takeover holds (a cluster down would take it, or batch work paused)
+    waits in this step: rescheduled every ``training.gang_admission_timeout_s`` (no worker slot held
+    meanwhile) for at most ``training.max_queue_wait_s``, then refused (:func:`_hold`)."""
     from hybridflow.placement import place
     from hybridflow.placement.loads import cluster_loads, wait_estimates
+    from hybridflow.placement.takeover import PlacementHeld
 
     settings = settings or get_settings()
     started = time.monotonic()
     estate = _estate(settings)
     admitted = _admitted(run)
     loads = cluster_loads(estate, settings)
-    decision = place(admitted, estate, loads, waits=wait_estimates(admitted, estate, loads))
+    try:
+        decision = place(admitted, estate, loads, waits=wait_estimates(admitted, estate, loads))
+    except PlacementHeld as held:
+        _hold(run, held, estate, settings)
+    _end_hold(run, settings)
     log.info("Placement decision:\n%s", decision.explain())
     out = {**decision.to_xcom(), "seconds": round(time.monotonic() - started, 3)}
     # For the run's page in the UI (hybridflow.ui.runs); a re-run replaces it.
     write_json_atomic(run_dir(settings.private_root, run["run_key"]) / "placement.json", out)
     return out
+
+
+def _hold(run: Mapping[str, Any], held: Any, estate, settings: Settings) -> NoReturn:
+    """Reschedule the placement step while the run is held, noting since when on the run's page
+    (queue.json); past ``training.max_queue_wait_s`` the held error stands, naming the limit."""
+    from datetime import UTC, datetime, timedelta
+
+    from hybridflow.errors import PlacementError
+    from hybridflow.queueing import QUEUE_FILE, read_standing
+
+    cfg = estate.pipeline.training
+    note = read_standing(settings.private_root, run["run_key"]) or {}
+    now = time.time()
+    since = float(note["held_since_s"]) if note.get("held") else now
+    waited = now - since
+    path = run_dir(settings.private_root, run["run_key"]) / QUEUE_FILE
+    if waited >= cfg.max_queue_wait_s:
+        path.unlink(missing_ok=True)  # a cleared task waits afresh
+        raise PlacementError(
+            f"held {waited:.0f} s, training.max_queue_wait_s is {cfg.max_queue_wait_s} (config/pipeline.yaml): "
+            f"{held}\nClear the choose_cluster task to wait again once the clusters are back, or raise the limit")
+    again = min(float(cfg.gang_admission_timeout_s), cfg.max_queue_wait_s - waited)
+    at = datetime.fromtimestamp(now, UTC)
+    write_json_atomic(path, {
+        "cluster": ", ".join(held.waits_for), "state": f"held: {held.state}", "held": held.reason,
+        "held_since_s": since, "queued_since": datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds"),
+        "waited_s": round(waited, 1), "updated_at": at.isoformat(timespec="seconds"),
+        "next_check": (at + timedelta(seconds=again)).isoformat(timespec="seconds")})
+    log.warning("Placement holds the run (%s), %.0f s of at most %d s: %s. Placement tries again in %.0f s",
+                held.state, waited, cfg.max_queue_wait_s, held.reason, again)
+    from airflow.sdk.exceptions import AirflowRescheduleException
+
+    raise AirflowRescheduleException(at + timedelta(seconds=again))
+
+
+def _end_hold(run: Mapping[str, Any], settings: Settings) -> None:
+    """A run placed after a hold: the hold's note leaves its page."""
+    from hybridflow.queueing import QUEUE_FILE, read_standing
+
+    if (read_standing(settings.private_root, run["run_key"]) or {}).get("held"):
+        (run_dir(settings.private_root, run["run_key"]) / QUEUE_FILE).unlink(missing_ok=True)
 
 
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings | None = None) -> dict:
