@@ -8,10 +8,17 @@ Trains the digits model briefly (as the tests do), writes it as a bundle, then s
 - the old one, ``benchmarks/threaded_server.py`` (a thread per connection, one forward pass per
   request) with this interpreter;
 
-and loads each in turn with the same load generator (``hybridflow.serving.loadtest.load_test``:
-locust, single-row requests back to back) at each concurrency, printing a table and the ratios.
+and loads each in turn with the same load generator at each concurrency, printing a table and the
+ratios, once per load generator:
 
-    .venv/bin/python benchmarks/serving.py [--concurrency 1 8 64] [--duration 10]
+- locust, as the deploy's gate runs it (``hybridflow.serving.loadtest.load_test``: single-row
+  requests back to back);
+- wrk (Debian's ``wrk``, C on epoll) with ``benchmarks/wrk_predict.lua``, the same requests. Why a
+  second one: locust's Python client takes about a core at 2,000 requests/s, and on a 2-CPU machine
+  that core is the server's, so at 64 users locust measures itself as much as the server; wrk takes
+  a small share of a core at the same rate.
+
+    .venv/bin/python benchmarks/serving.py [--concurrency 1 8 64] [--duration 10] [--load locust wrk]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,18 +88,56 @@ def _servers(bundle: Path, tmp: Path) -> dict[str, list[str]]:
     }
 
 
+def _wrk(url: str, bodies: Path, users: int, duration_s: float):
+    """One wrk run of ``users`` connections for ``duration_s`` (whole seconds), as Figures."""
+    from hybridflow.serving.loadtest import Figures
+
+    out = subprocess.run(["wrk", "-t1", f"-c{users}", f"-d{max(1, round(duration_s))}s", "--timeout", "10s",
+                          "-s", str(REPO / "benchmarks" / "wrk_predict.lua"), url], capture_output=True, text=True,
+                         env={**os.environ, "WRK_BODIES": str(bodies)}, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    n = got["requests"]
+    return Figures(requests=n, failures=got["errors"], error_rate=got["errors"] / n if n else 1.0,
+                   rps=n / (got["duration_us"] / 1e6), p50_ms=got["p50_us"] / 1000, p99_ms=got["p99_us"] / 1000)
+
+
 def _row(users: int, name: str, figs) -> str:
     return (f"{users:>6} {name:<5}{figs.requests:>9}{figs.rps:>10.1f}{figs.p50_ms:>9.2f}{figs.p99_ms:>9.2f}"
             f"{figs.error_rate * 100:>8.2f}")
 
 
+def _measure(load: str, ports: dict[str, int], rows: list, bodies: Path, args) -> None:
+    from hybridflow.serving.loadtest import load_test
+
+    print(f"\nload: {load}, single-row requests back to back, {args.duration:g} s per server and concurrency")
+    print(f"{'users':>6} {'server':<5}{'requests':>9}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'err %':>8}")
+    ratios = []
+    for users in args.concurrency:
+        figs = {}
+        for name in ("old", "new"):
+            url = f"http://127.0.0.1:{ports[name]}"
+            figs[name] = (load_test(url, ENDPOINT, rows, concurrency=users, duration_s=args.duration)["all"]
+                          if load == "locust" else
+                          _wrk(f"{url}/v1/models/{ENDPOINT}:predict", bodies, users, args.duration))
+            print(_row(users, name, figs[name]), flush=True)
+        old, new = figs["old"], figs["new"]
+        ratios.append((users, new.rps / old.rps if old.rps else float("inf"),
+                       new.p99_ms / old.p99_ms if old.p99_ms else float("inf")))
+    print(f"{'users':>6}  new/old req/s   new/old p99   ({load})")
+    for users, rps, p99 in ratios:
+        print(f"{users:>6}{rps:>15.2f}x{p99:>13.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="locust users")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="concurrent clients")
     parser.add_argument("--duration", type=float, default=10, help="seconds of load per server and concurrency")
+    parser.add_argument("--load", nargs="+", choices=["locust", "wrk"], default=["locust", "wrk"],
+                        help="load generators, each over every server and concurrency")
     args = parser.parse_args()
+    if "wrk" in args.load and not shutil.which("wrk"):
+        parser.error("wrk is not installed: apt-get install wrk (or --load locust)")
 
-    from hybridflow.serving.loadtest import load_test
     from hybridflow.serving.processes import stop_child
 
     with tempfile.TemporaryDirectory(prefix="hf-bench-serving-") as tmp_name:
@@ -103,22 +149,10 @@ def main() -> int:
             for name, cmd in _servers(bundle, tmp).items():
                 procs[name], ports[name] = _start(cmd, tmp / f"{name}.ready", tmp / f"{name}.log")
             print(f"machine: {_machine()}")
-            print(f"load: locust, single-row requests back to back, {args.duration:g} s per server and concurrency")
-            print(f"{'users':>6} {'server':<5}{'requests':>9}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'err %':>8}")
-            ratios = []
-            for users in args.concurrency:
-                figs = {}
-                for name in ("old", "new"):
-                    result = load_test(f"http://127.0.0.1:{ports[name]}", ENDPOINT, rows, concurrency=users,
-                                       duration_s=args.duration)
-                    figs[name] = result["all"]
-                    print(_row(users, name, figs[name]), flush=True)
-                old, new = figs["old"], figs["new"]
-                ratios.append((users, new.rps / old.rps if old.rps else float("inf"),
-                               new.p99_ms / old.p99_ms if old.p99_ms else float("inf")))
-            print(f"{'users':>6}  new/old req/s   new/old p99")
-            for users, rps, p99 in ratios:
-                print(f"{users:>6}{rps:>15.2f}x{p99:>13.2f}x")
+            bodies = tmp / "bodies.jsonl"
+            bodies.write_text("".join(json.dumps({"instances": [row]}) + "\n" for row in rows))
+            for load in args.load:
+                _measure(load, ports, rows, bodies, args)
         finally:
             for proc in procs.values():
                 stop_child(proc)
