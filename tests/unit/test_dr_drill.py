@@ -31,7 +31,7 @@ RUN = "train-run-0007"
 MODEL = "digits-mlp"
 
 
-def _config(tmp_path: Path, bucket: str | None = "hf-dr-drill") -> Path:
+def _config(tmp_path: Path, bucket: str | None = "hf-dr-drill", **changes) -> Path:
     target = tmp_path / "config"
     shutil.copytree(SHIPPED, target)
     if bucket is not None:
@@ -40,7 +40,7 @@ def _config(tmp_path: Path, bucket: str | None = "hf-dr-drill") -> Path:
             "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
             "dr": {"min_gpus": 1}, "prices": {"onprem": 0.5},
             "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 2}],
-            "cache": {"conn_id": "hybridflow_dr_west", "bucket": bucket},
+            "cache": {"conn_id": "hybridflow_dr_west", "bucket": bucket}, **changes,
         }
         (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return target
@@ -108,6 +108,11 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(tmp_path: Path) -> Non
         drills.make_plan(estate, "d", {"inference_rto_s": "soon"}, dr_spec=object())
     with pytest.raises(DrillError, match=r"^workers: 3: the DR cluster dr-west has 2 GPUs"):
         drills.make_plan(estate, "d", {"workers": 3}, dr_spec=object())
+    k8s = load_estate(_config(tmp_path / "k8s", backend="kubernetes", conn_id="k8s_dr", scheduler="volcano",
+                              image="reg.example/train:1", checkpoint_store="cache", checkpoint_replica="scratch",
+                              scratch_claim="dr-scratch", scratch_dir="/scratch"), use_cache=False)
+    with pytest.raises(DrillError, match=r"^dr_cluster: dr-west runs on kubernetes: drills take over on the local"):
+        drills.make_plan(k8s, "d", {}, dr_spec=object())
     # A primary down for a real outage is never drilled (a drill would fail it back).
     from hybridflow.dr.fencing import declare_down
 

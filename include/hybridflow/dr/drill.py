@@ -60,6 +60,9 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
         dr = dr_cluster(estate, params.get("dr_cluster") or None)
     except ReplicationError as exc:
         raise DrillError("dr_cluster", str(exc).split(": ", 1)[-1]) from None
+    if dr.backend != "local":
+        raise DrillError("dr_cluster", f"{dr.name} runs on {dr.backend}: drills take over on the local backend (the "
+                                       "embedded default) only so far; drill a DR cluster with backend: local")
     primary = params.get("primary") or _only_primary(estate)
     try:
         check_down(estate, primary, REASON_PREFIX)
