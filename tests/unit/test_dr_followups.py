@@ -158,13 +158,19 @@ def test_admission_does_not_refuse_a_critical_run_the_dr_pool_takes(tmp_path: Pa
 def test_the_train_task_starts_no_gang_on_a_cluster_declared_down(tmp_path: Path, home: Path, monkeypatch) -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
+    from hybridflow.backends import gang_backend
     from hybridflow.operators.train import GangTrainOperator
 
     estate = _estate(tmp_path, monkeypatch)
+    pool = gang_backend(estate.clusters["onprem-a"], estate, get_settings().state_dir).pool
+    assert pool.try_acquire("busy", 4, os.getpid())
+    assert not pool.try_acquire("train-r1", 2, os.getpid(), queue=True)  # its gang waits in the queue
+    assert list(pool.waiting()) == ["train-r1"]
     _down(estate)
-    op = GangTrainOperator(task_id="train", run={}, placement={}, staged={})
+    op = GangTrainOperator(task_id="train", run={"run_key": "r1"}, placement={}, staged={})
     with pytest.raises(AirflowFailException) as err:
         op._train_on({}, get_settings(), estate, {"cluster": "onprem-a"}, {})
+    assert pool.waiting() == {}  # and waits there no more
     msg = str(err.value)
     assert msg.startswith("not started: cluster onprem-a is declared down (at ")
     assert f"by ops: {REASON}) and takes no new gangs" in msg

@@ -148,7 +148,7 @@ class GangTrainOperator(BaseOperator):
         if down is not None:  # its queue admits nothing until the cluster is up: do not wait there
             from airflow.sdk.exceptions import AirflowFailException
 
-            self._leave_queue(exc.cluster, estate, settings)
+            self._leave_fenced(exc.cluster, estate, settings)
             raise AirflowFailException(f"not started: {down}")
         return self._wait_in_queue(context, exc, placement, staged, estate, settings, queued_since)
 
@@ -169,6 +169,18 @@ class GangTrainOperator(BaseOperator):
 
         if self._job_name:
             gang_backend(estate.clusters[cluster], estate, settings.state_dir).cancel(self._job_name)
+
+    def _leave_fenced(self, cluster: str, estate, settings) -> None:
+        """Nothing of this run waits or holds slots on a local cluster declared down: its gang's
+        ticket, or slots a queue wait took for it just before the fence."""
+        from hybridflow.backends import gang_backend
+
+        backend = gang_backend(estate.clusters[cluster], estate, settings.state_dir)
+        pool = getattr(backend, "pool", None)
+        name = f"train-{self.run['run_key']}"
+        if pool is not None and not backend.cancel(name):  # no live gang: only its ticket or leased slots
+            pool.withdraw(name)
+            pool.release(name)
 
     def _wait_in_queue(self, context, exc, placement: dict, staged: dict, estate, settings,
                        queued_since: float) -> tuple[dict, dict]:
@@ -236,6 +248,7 @@ class GangTrainOperator(BaseOperator):
 
         down = fenced(placement["cluster"], settings)
         if down is not None:  # a cleared or retried task, or a gang that waited there: no new gang on it
+            self._leave_fenced(placement["cluster"], estate, settings)
             raise AirflowFailException(f"not started: {down}")
         job = self._job(context, settings, estate, placement, staged)
         if gang_backend(job.cluster, estate, settings.state_dir).supervised_by_task:
