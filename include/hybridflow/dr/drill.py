@@ -160,12 +160,16 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
 
     report = read_report(settings.private_root, plan.drill)
     if not report.get("declared_ts"):
-        raise DrillError("declare", f"drill {plan.drill} has not declared {plan.primary} down; run declare first")
+        raise DrillError("declare_down", f"drill {plan.drill} has not declared {plan.primary} down; run "
+                                         "declare_down first")
     store = open_store(plan.dr_spec)
     endpoint = choose_endpoint(store, plan.endpoint)
+    _stop_server(report.get("server_pid"))  # an earlier try's server whose task died: never two
     scratch = scratch_root(plan.dr, settings) / "drills" / plan.drill
     gang = server = None
-    parts: dict[str, Any] = {"status": "taking over", "takeover_started_ts": time.time()}
+    # An earlier try's figures are cleared: only what this try measures is judged.
+    parts: dict[str, Any] = {"status": "taking over", "takeover_started_ts": time.time(), "inference": None,
+                             "training": None, "dataset": None, "error": None}
     try:
         gang, parts["training"] = start_training(
             estate, settings, plan.dr, plan.dr_spec, report["run_key"], plan.drill,
@@ -191,7 +195,7 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
             server.server_close()
         if gang is not None:
             gang.stop()
-            if "training" in parts:
+            if parts.get("training"):
                 parts["training"]["gang_outcome"] = dict(gang.outcome)
         update_report(settings.private_root, plan.drill, **parts)
     return read_report(settings.private_root, plan.drill)
