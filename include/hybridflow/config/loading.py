@@ -8,6 +8,7 @@ from pathlib import Path
 from hybridflow.config.base import CLUSTERS_FILE, DATASETS_FILE, MODELS_FILE, PIPELINE_FILE, PROJECTS_FILE
 from hybridflow.config.checks import (
     _check_clusters,
+    _check_dr_replicate,
     _check_metering,
     _check_projects,
     _check_reaper,
@@ -77,6 +78,9 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
     areas = {a for c in clusters_file.clusters.values() for a in c.areas}
     catalogue = parse_catalogue(datasets_path, areas)
     registry = parse_registry(models_path, catalogue.datasets, projects_file.projects)
+    problems = _check_dr_replicate(clusters_path, clusters_file, catalogue, registry)
+    if problems:
+        raise ConfigError("invalid estate config:\n" + "\n".join(f"  - {p}" for p in problems))
     model = pipeline.defaults.model
     if model is not None and models_path.is_file() and model not in registry.models:
         raise ConfigError(f"{pipeline_path}: defaults.model: {model!r} is not in {MODELS_FILE}; use one of: "
