@@ -94,6 +94,9 @@ def test_replicate_names_critical_services_and_unknown_names_are_refused(tmp_pat
     assert "clusters.dr-west.dr.replicate.datasets[0]: 'gone' is not in datasets.yaml; use one of: breast-cancer" \
         in problems[0]
     assert "clusters.dr-west.dr.replicate.endpoints[1]: 'nope' is no model's endpoint in models.yaml" in problems[1]
+    with pytest.raises(ConfigError, match=r"clusters.dr-west.dr.replicate.datasets\[0\]: 'gone' is not in datasets"):
+        load_estate(_config(tmp_path / "a", _dr(dr={"min_gpus": 2, "replicate": {"datasets": ["gone"]}})),
+                    use_cache=False)
     with pytest.raises(ConfigError, match=r"clusters.dr-west.dr.replicate.services"):
         load_estate(_config(tmp_path / "b", _dr(dr={"min_gpus": 2, "replicate": {"services": ["x"]}})),
                     use_cache=False)
