@@ -111,15 +111,15 @@ def _primary_steps(estate, settings, primary: str, run_key: str) -> tuple[list[i
 
 def _interval(primary_steps: list[int], plan: Plan) -> int:
     """One checkpoint interval of the run: the target's rpo_steps, else the gap between the
-    primary's two newest committed checkpoints, else the pipeline's default checkpoint_every_steps."""
+    primary's two newest committed checkpoints, else the trigger form's default checkpoint_every_steps."""
     if plan.targets.rpo_steps is not None:
         return plan.targets.rpo_steps
     steps = sorted(set(primary_steps))
     if len(steps) >= 2:
         return steps[-1] - steps[-2]
-    from hybridflow.admission import RunRequest
+    from hybridflow.params import PARAM_DEFAULTS
 
-    return int(RunRequest.model_fields["checkpoint_every_steps"].default)
+    return int(PARAM_DEFAULTS["checkpoint_every_steps"])
 
 
 def declare(plan: Plan, estate, settings, *, by: str | None = None) -> dict[str, Any]:
