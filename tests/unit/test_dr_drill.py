@@ -102,6 +102,9 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(tmp_path: Path) -> Non
         drills.make_plan(estate, "d", {"primary": "nowhere"}, dr_spec=object())
     with pytest.raises(DrillError, match=r"^primary: cluster 'dr-west' is the disaster-recovery pool"):
         drills.make_plan(estate, "d", {"primary": "dr-west"}, dr_spec=object())
+    with pytest.raises(DrillError, match=r"^primary: cloud-east has role elastic: a drill takes over from a primary; "
+                                         r"name one with role primary \(onprem-a\)"):
+        drills.make_plan(estate, "d", {"primary": "cloud-east"}, dr_spec=object())
     with pytest.raises(DrillError, match=r"^dr_cluster: 'onprem-a' has role primary, not dr"):
         drills.make_plan(estate, "d", {"dr_cluster": "onprem-a"}, dr_spec=object())
     with pytest.raises(DrillError, match=r"^inference_rto_s: 'soon' is not a number"):

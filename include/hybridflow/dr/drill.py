@@ -68,6 +68,9 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
         check_down(estate, primary, REASON_PREFIX)
     except FencingError as exc:
         raise DrillError("primary", str(exc)) from None
+    if estate.clusters[primary].role != "primary":
+        raise DrillError("primary", f"{primary} has role {estate.clusters[primary].role}: a drill takes over from a "
+                                    f"primary; name one with role primary ({', '.join(_primaries(estate)) or 'none'})")
     if dr_spec is None:
         from hybridflow.dr.readiness import check_readiness
         from hybridflow.placement.places import cache_store_spec
@@ -84,8 +87,12 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
                 extra_steps=int(params.get("extra_steps") or 20))
 
 
+def _primaries(estate) -> list[str]:
+    return sorted(n for n, c in estate.clusters.items() if c.role == "primary")
+
+
 def _only_primary(estate) -> str:
-    primaries = sorted(n for n, c in estate.clusters.items() if c.role == "primary")
+    primaries = _primaries(estate)
     if len(primaries) != 1:
         raise DrillError("primary", f"name the primary to declare down (role primary in clusters.yaml: "
                                     f"{', '.join(primaries) or 'none'})")
