@@ -27,6 +27,18 @@ from hybridflow.dr.fencing import down_clusters, read_fence, state_path
 from hybridflow.settings import REPO_ROOT, Settings
 
 SHIPPED = REPO_ROOT / "config"
+
+
+@pytest.fixture(autouse=True)
+def ledger(tmp_path: Path, monkeypatch):
+    """Each test's own ledger: a judged drill is recorded there."""
+    from sqlalchemy import create_engine
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", url)
+    engine = create_engine(url)
+    yield engine
+    engine.dispose()
 RUN = "train-run-0007"
 MODEL = "digits-mlp"
 
@@ -78,7 +90,8 @@ def test_each_missed_target_names_the_step_that_took_too_long() -> None:
                      "(training_rto_s not measured; see the take_over task's log)"]
 
 
-def test_a_missed_target_fails_the_judging_step_and_is_kept_in_the_report(tmp_path: Path) -> None:
+def test_a_missed_target_fails_the_judging_step_and_is_kept_in_the_report_and_the_ledger(tmp_path: Path,
+                                                                                          ledger) -> None:
     settings = Settings(home=tmp_path / "home", config_dir=_config(tmp_path))
     estate = load_estate(settings.config_dir, use_cache=False)
     plan = drills.make_plan(estate, "d1", {"inference_rto_s": 5}, dr_spec=object())
@@ -89,6 +102,9 @@ def test_a_missed_target_fails_the_judging_step_and_is_kept_in_the_report(tmp_pa
         drills.finish(plan, estate, settings)
     kept = read_report(settings.private_root, "d1")
     assert kept["verdict"] == "missed" and kept["figures"]["inference_rto_s"] == 12.5
+    from hybridflow.dr.drill_ledger import drill_history
+
+    assert drill_history(ledger) == [kept]
     assert [r["drill"] for r in history(settings.private_root)] == ["d1"]
 
 

@@ -14,7 +14,8 @@ earlier ones did, :mod:`hybridflow.dr.drill_report`):
    and stepping (:mod:`hybridflow.dr.drill_takeover`); both are then stopped.
 3. :func:`fail_back` — nothing of the drill left running on the DR side (its server and gang stopped,
    found by what the report recorded), and the primary declared up if the drill declared it down.
-4. :func:`judge` — RTO and RPO against the targets; a miss fails, naming the step.
+4. :func:`finish` — RTO and RPO against the targets, kept in the report and the ledger
+   (:mod:`hybridflow.dr.drill_ledger`); a miss fails, naming the step.
 """
 
 from __future__ import annotations
@@ -271,6 +272,9 @@ def finish(plan: Plan, estate, settings) -> dict[str, Any]:
     verdict = "met" if not missed else "missed"
     report = update_report(settings.private_root, plan.drill, figures=figures, missed=missed, verdict=verdict,
                            status="done")
+    from hybridflow.dr.drill_ledger import record_drill
+
+    record_drill(report)  # into the ledger too, replacing this drill's row
     if missed:
         raise DrillMissed(f"drill {plan.drill} missed its targets:\n" + "\n".join(f"  - {m}" for m in missed))
     return report

@@ -256,3 +256,29 @@ class InferenceAllocation(Base):
     unit_hours: Mapped[float] = mapped_column(Float)
     usd_per_unit_hour: Mapped[float] = mapped_column(Float)  # hour-weighted mean of the day's samples
     cost_usd: Mapped[float] = mapped_column(Float)
+
+
+class DrillRow(Base):
+    """One disaster-recovery drill (hybridflow.dr.drill_ledger): its RTO/RPO figures, the targets it
+    was judged against, the verdict, and its whole report (JSON). Recording a drill again replaces it."""
+
+    __tablename__ = "dr_drill"
+
+    drill: Mapped[str] = mapped_column(String(255), primary_key=True)
+    declared_at: Mapped[datetime | None] = mapped_column(DateTime, index=True)  # naive UTC
+    primary_cluster: Mapped[str | None] = mapped_column(String(128))
+    dr_cluster: Mapped[str | None] = mapped_column(String(128))
+    run_key: Mapped[str | None] = mapped_column(String(255))
+    endpoint: Mapped[str | None] = mapped_column(String(128))
+    inference_rto_s: Mapped[float | None] = mapped_column(Float)
+    training_rto_s: Mapped[float | None] = mapped_column(Float)
+    rpo_steps_lost: Mapped[int | None] = mapped_column(Integer)
+    rpo_dataset_age_s: Mapped[float | None] = mapped_column(Float)
+    target_inference_rto_s: Mapped[float] = mapped_column(Float)
+    target_training_rto_s: Mapped[float] = mapped_column(Float)
+    target_rpo_steps: Mapped[int | None] = mapped_column(Integer)
+    target_dataset_age_s: Mapped[float | None] = mapped_column(Float)
+    verdict: Mapped[str] = mapped_column(String(16))  # met | missed
+    missed: Mapped[str | None] = mapped_column(Text)  # JSON list of the steps that missed, each named
+    report: Mapped[str] = mapped_column(Text)  # the drill's whole report (JSON), as in private storage
+    recorded_at: Mapped[datetime] = mapped_column(DateTime)
