@@ -1,12 +1,14 @@
 """HybridFlow pages in the Airflow UI: the training runs list, GPU costs & budgets and the resource
-reaper (top navigation) and, on every DAG run, *Placement & record* and *Cost & budget* tabs. The
-pages live in :mod:`hybridflow.ui.runs`, :mod:`hybridflow.ui.costs` and :mod:`hybridflow.ui.reaper`."""
+reaper and DR drills (top navigation) and, on every DAG run, *Placement & record* and *Cost & budget*
+tabs. The pages live in :mod:`hybridflow.ui.runs`, :mod:`hybridflow.ui.costs`,
+:mod:`hybridflow.ui.reaper` and :mod:`hybridflow.ui.drills`."""
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
 from hybridflow.ui.costs import add_cost_pages
+from hybridflow.ui.drills import add_drill_pages
 from hybridflow.ui.reaper import add_reaper_pages
 from hybridflow.ui.runs import create_app
 
@@ -15,6 +17,7 @@ URL_PREFIX = "/hybridflow"
 app = create_app()
 add_cost_pages(app)
 add_reaper_pages(app)
+add_drill_pages(app)
 
 
 class HybridFlowUIPlugin(AirflowPlugin):
@@ -54,5 +57,12 @@ class HybridFlowUIPlugin(AirflowPlugin):
             "destination": "nav",
             "category": "browse",
             "url_route": "hybridflow-reaper",
+        },
+        {
+            "name": "DR drills",
+            "href": f"{URL_PREFIX}/drills",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "hybridflow-drills",
         },
     ]
