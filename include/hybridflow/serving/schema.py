@@ -38,6 +38,7 @@ class InputSchema:
         self._ints = np.array([kind == "int" for _, kind, _, _ in self.columns])
         self._lo = np.array([-np.inf if lo is None else lo for _, _, lo, _ in self.columns])
         self._hi = np.array([np.inf if hi is None else hi for _, _, _, hi in self.columns])
+        self._bounded = bool(np.isfinite(self._lo).any() or np.isfinite(self._hi).any())
 
     @property
     def width(self) -> int:
@@ -124,14 +125,19 @@ class InputSchema:
         if not self._numeric or not all(type(row) is list and len(row) == width for row in rows):
             return None
         # JSON gives int, float and bool; bool is not a number here and np.array would take it as 1.
-        if not set(map(type, itertools.chain.from_iterable(rows))) <= {int, float}:
+        types = set(map(type, itertools.chain.from_iterable(rows)))
+        if not types <= {int, float}:
             return None
         try:
             x = np.array(rows, dtype=np.float64)
         except OverflowError:
             return None
-        ok = (np.isfinite(x).all() and (x >= self._lo).all() and (x <= self._hi).all()
-              and (x[:, self._ints] == np.round(x[:, self._ints])).all())
+        ok = True
+        if float in types:  # ints are whole and finite; a float may be neither (JSON's Infinity, NaN)
+            ok = bool(np.isfinite(x).all()) and (not self._ints.any()
+                                                 or bool((x[:, self._ints] == np.round(x[:, self._ints])).all()))
+        if ok and self._bounded:
+            ok = bool(((x >= self._lo) & (x <= self._hi)).all())
         return x.astype(np.float32) if ok else None
 
     def instances(self, x: np.ndarray) -> list[list[Any]]:
