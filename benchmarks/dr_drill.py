@@ -7,7 +7,10 @@ critical run of the registered ``digits-mlp`` example model trains for real on t
 the dataset version, the model and the newest checkpoint to the DR store, and the primary trains on
 for one more checkpoint interval (the steps a takeover then loses). The drill runs its four steps as
 the ``dr_drill`` DAG does (declare down, take over, fail back, judge), with the primary's storage
-moved away after the declaration, and prints the figures.
+moved away after the declaration, and prints the figures. Before the drill a byte is flipped in a
+shard of the primary's newest checkpoint (in both of its places) and of the one before it (replicated
+already) and replication runs again: the DR store's objects are compared (SHA-256) before that and
+after the drill, counting those lost or overwritten.
 
     .venv/bin/python benchmarks/dr_drill.py [--steps 200] [--every 50] [--extra-steps 20] [--workers 1]
 """
@@ -103,6 +106,40 @@ def _primary(settings: Settings, estate, steps: int, every: int) -> dict:
             "replicated_objects": report.objects_copied, "replicated_bytes": report.bytes_copied}
 
 
+def _dr_objects(store: S3ObjectStore) -> dict[str, str]:
+    """Every object in the DR store: key -> SHA-256 of its bytes."""
+    import hashlib
+
+    return {o.key: hashlib.sha256(store.get_bytes(o.key)).hexdigest() for o in store.list("")}
+
+
+def _flip_a_byte(step: Path) -> None:
+    shard = next(p for p in sorted(step.iterdir()) if p.name != "MANIFEST.json")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _corrupt_sources(settings: Settings, estate) -> dict:
+    """A byte flipped in a shard of the primary's newest checkpoint, in both of the run's checkpoint
+    places (no healthy copy is left), and of the one before it (replicated already) in the first
+    place; then a replication pass: what it reports and copies."""
+    from hybridflow.dr.replication import replicate
+    from hybridflow.dr.scope import CriticalRun
+    from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
+
+    primary = estate.clusters["onprem-a"]
+    places = [Path(checkpoint_store_spec(RUN, primary, settings).root),
+              Path(checkpoint_replica_spec(RUN, primary, settings).root)]
+    older, newest = sorted(p.name for p in places[0].glob("step-*") if (p / "MANIFEST.json").exists())[-2:]
+    for place in places:
+        _flip_a_byte(place / newest)
+    _flip_a_byte(places[0] / older)
+    report = replicate(estate, settings, runs=[CriticalRun(RUN, "onprem-a", f"train-{RUN}")])
+    return {"corrupted_source_checkpoints": [newest, older], "source_problems_reported": len(report.all_problems),
+            "objects_copied": report.objects_copied}
+
+
 def _drill(settings: Settings, estate, root: Path, extra_steps: int, workers: int) -> dict:
     from hybridflow.dr import drill as drills
     from hybridflow.dr.drill_report import DrillMissed
@@ -145,8 +182,15 @@ def main() -> None:
             settings = Settings(home=root / "home", config_dir=_config(root))
             estate = load_estate(settings.config_dir, use_cache=False)
             setup = _primary(settings, estate, args.steps, args.every)
+            dr_store = S3ObjectStore(BUCKET, endpoint_url=server.endpoint_url, access_key=ACCESS, secret_key=SECRET)
+            before = _dr_objects(dr_store)
+            corrupted = _corrupt_sources(settings, estate)
             out = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", **setup,
                    **_drill(settings, estate, root, args.extra_steps, args.workers)}
+            after = _dr_objects(dr_store)
+            out["dr_store"] = {**corrupted, "objects_before": len(before), "objects_after": len(after),
+                               "lost": sum(k not in after for k in before),
+                               "overwritten": sum(k in after and after[k] != v for k, v in before.items())}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out, indent=2))
@@ -155,6 +199,11 @@ def main() -> None:
           f"training RTO {f['training_rto_s']} s (target <= {out['targets']['training_rto_s']:g}), "
           f"RPO {f['rpo_steps_lost']} steps lost (target <= {out['checkpoint_interval_steps']}, one checkpoint "
           f"interval), newest replicated dataset version {f['rpo_dataset_age_s']} s old: {out['verdict']}")
+    d = out["dr_store"]
+    print(f"DR store across the drill, with {len(d['corrupted_source_checkpoints'])} corrupted source checkpoints "
+          f"({d['source_problems_reported']} problems reported, {d['objects_copied']} objects copied): "
+          f"{d['objects_before']} objects before, {d['objects_after']} after, {d['lost']} lost, "
+          f"{d['overwritten']} overwritten")
 
 
 if __name__ == "__main__":
