@@ -64,13 +64,17 @@ class Bounds:
     """ASGI middleware around the whole app: the body limit, the request timeout and the version header.
 
     A POST's body is read here first (so its size and the time it takes are bounded before any route
-    sees it) and handed on whole."""
+    sees it) and handed on whole. ``direct`` maps a POST path to a handler ``(body, headers) ->
+    (status, JSON body)`` answered here without the framework's routing and middleware: the predict
+    route, where they took a tenth of the server's time at 64 concurrent clients."""
 
-    def __init__(self, app: Any, *, version: str, max_body_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: Any, *, version: str, max_body_bytes: int, timeout_s: float,
+                 direct: dict[str, Callable[[bytes, dict], Any]] | None = None) -> None:
         self.app = app
         self.version = version.encode()
         self.max_body_bytes = max_body_bytes
         self.timeout_s = timeout_s
+        self.direct = direct or {}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -95,6 +99,12 @@ class Bounds:
                 if scope["method"] in ("POST", "PUT", "PATCH"):
                     body = await self._read_body(scope, receive, answer)
                     if body is None:
+                        return
+                    handler = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
+                    if handler is not None:
+                        status, payload = await handler(body, scope["headers"])
+                        for message in _json(status, payload):
+                            await send_versioned(message)
                         return
                     receive = _replay(body, receive)
                 await self.app(scope, receive, send_versioned)
@@ -192,6 +202,24 @@ def _metrics() -> Callable[[int, int], None]:
     return on_batch
 
 
+async def predictions(model: Any, body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> tuple[int, dict]:
+    """(status, JSON body) for a predict request to ``model`` (KServe's ``Model.__call__``: its
+    pre- and post-processing and latency histograms); never raises."""
+    tag = {"model": model.name, "version": model.version}
+    try:
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}") from exc
+        answer, _ = await model(payload, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+    except BadRequest as exc:
+        return 400, {"error": str(exc), **tag}
+    except Exception as exc:  # keep serving; the client sees why
+        print(f"prediction failed: {exc!r}", file=sys.stderr, flush=True)
+        return 500, {"error": f"prediction failed: {exc}", **tag}
+    return 200, answer
+
+
 def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
     """Contract routes, registered before KServe's so that they answer for this endpoint."""
     from starlette.exceptions import HTTPException
@@ -219,19 +247,8 @@ def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
     async def predict(request: Request) -> JSONResponse:
         if request.path_params["name"] != endpoint:
             return no_route(request)
-        tag = {"model": endpoint, "version": version}
-        try:
-            try:
-                payload = json.loads(await request.body())
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise BadRequest(f"body is not valid JSON: {exc}") from exc
-            answer, _ = await model(payload, dict(request.headers))
-        except BadRequest as exc:
-            return JSONResponse({"error": str(exc), **tag}, 400)
-        except Exception as exc:  # keep serving; the client sees why
-            print(f"prediction failed: {exc!r}", file=sys.stderr, flush=True)
-            return JSONResponse({"error": f"prediction failed: {exc}", **tag}, 500)
-        return JSONResponse(answer)
+        status, answer = await predictions(model, await request.body(), request.headers.raw)
+        return JSONResponse(answer, status)
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
@@ -283,7 +300,8 @@ def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: in
 
     app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
     _invalid_input(app)
-    bounded = Bounds(app, version=version, max_body_bytes=int(max_body_mib * 2**20), timeout_s=request_timeout_s)
+    bounded = Bounds(app, version=version, max_body_bytes=int(max_body_mib * 2**20), timeout_s=request_timeout_s,
+                     direct={f"{MODELS_PREFIX}{endpoint}:predict": lambda body, headers: predictions(model, body, headers)})
     return bounded, batcher
 
 
