@@ -12,7 +12,8 @@
     hybridflow local-exporter --cluster C [--port P]
                                serve a local cluster's slots in dcgm-exporter's format (the local stand-in)
     hybridflow cluster down C --reason R | up C | status
-                               declare a cluster down (fenced, its gangs checkpointed) or up again; the fence as JSON
+                               declare a cluster down (fenced, its gangs checkpointed, serving on DR) or up
+                               again (serving back through the deploy gate); the fence as JSON
 """
 
 from __future__ import annotations
@@ -389,18 +390,22 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from hybridflow.dr.fencing import FencingError, declare_up, fence_status
+    """Exit 0; 2 for bad input (nothing changed); 3 when ``up`` lifted the fence but an endpoint
+    stays served on the disaster-recovery side (the primary did not pass the deploy gate)."""
+    from hybridflow.dr.fencing import FencingError, declare_up, fence_status, serving_stayed
     from hybridflow.dr.fencing_drain import fence_and_drain
 
     if args.action != "status" and not args.cluster:
         print(f"hybridflow cluster {args.action} needs the cluster, e.g. hybridflow cluster {args.action} onprem-a",
               file=sys.stderr)
         return 2
+    stayed: list[str] = []
     try:
         if args.action == "down":
             out = fence_and_drain(args.cluster, args.reason or "", by=args.by)
         elif args.action == "up":
-            out = declare_up(args.cluster, by=args.by).to_dict()
+            change = declare_up(args.cluster, by=args.by, log=lambda m: print(m, file=sys.stderr))
+            out, stayed = change.to_dict(), serving_stayed(change)
         else:
             out = fence_status()
     except FencingError as exc:
@@ -408,6 +413,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return 2
     json.dump(out, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
+    if args.action == "up" and stayed:
+        print(f"hybridflow cluster up: {args.cluster} takes placements again, but serving stays on the "
+              "disaster-recovery side:\n" + "\n".join(f"  - {s}" for s in stayed)
+              + f"\nrun `hybridflow cluster up {args.cluster}` again to retry the serving failback", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -468,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("cluster", nargs="?", help="restore: the node's cluster in config/clusters.yaml")
     node.add_argument("node", nargs="?", help="restore: the node's name")
     node.set_defaults(func=cmd_node)
-    cluster = sub.add_parser("cluster", help="down: fence a cluster (no new placements, its gangs checkpointed; "
-                             "a primary down puts the estate in takeover); up: lift the fence; status: as JSON")
+    cluster = sub.add_parser("cluster", help="down: fence a cluster (no new placements, its gangs checkpointed, its "
+                             "serving moved to the DR side; a primary down puts the estate in takeover); up: lift the "
+                             "fence, serving back through the deploy gate (exit 3 while it stays on DR); status: as JSON")
     cluster.add_argument("action", choices=["down", "up", "status"])
     cluster.add_argument("cluster", nargs="?", help="down/up: a cluster of config/clusters.yaml")
     cluster.add_argument("--reason", help="down: why the cluster is declared down (kept with the fence)")

@@ -33,8 +33,8 @@ from hybridflow.errors import HybridFlowError
 
 STATE_FILE = "fencing.json"
 # Failback lifts the fence for placement; serving moves back only through the deploy gate.
-SERVING_ON_FAILBACK = ("not moved back by this command: serving returns to the cluster only through a deploy "
-                       "(its gate and canary steps)")
+SERVING_ON_FAILBACK = ("no endpoint was served on the disaster-recovery side, so none was moved back: serving "
+                       "returns to the cluster only through a deploy (its gate and canary steps)")
 
 
 class FencingError(HybridFlowError):
@@ -172,22 +172,39 @@ def record_drain(cluster: str, outcome: Mapping[str, Any], *, path: Path | None 
 
 
 def declare_up(cluster: str, *, by: str | None = None, estate: Any = None, path: Path | None = None,
-               now: datetime | None = None) -> FenceChange:
+               now: datetime | None = None, log: Any = None) -> FenceChange:
     """Lift the fence of ``cluster`` (failback): placement uses it again. Idempotent: a cluster that
-    is not down changes nothing. Serving is not moved back here (:data:`SERVING_ON_FAILBACK`)."""
+    is not down changes nothing. Endpoints served on the DR side for it move back only through the
+    deploy gate (:func:`hybridflow.dr.serving_failback.fail_back`, also tried when the cluster is up
+    already); the record's ``serving`` says what moved and what stays, and why."""
+    from hybridflow.dr.serving_failback import fail_back
+
     estate = _estate(estate)
     path = path or state_path()
     if cluster not in estate.clusters and cluster not in down_clusters(path):
         raise FencingError(f"cluster {cluster!r} is not in clusters.yaml; use one of: {', '.join(sorted(estate.clusters))}")
+    serving = fail_back(cluster, estate, path.parent, log=log) if cluster in estate.clusters else None
     with _locked(path) as state:
         record = state["down"].pop(cluster, None)
         if record is None:
-            return FenceChange(cluster, "up", False, {"cluster": cluster})
+            if serving is None:
+                return FenceChange(cluster, "up", False, {"cluster": cluster})
+            event = {"event": "serving failback", "cluster": cluster, "by": _who(by), "at": _stamp(now),
+                     "serving": serving}
+            state["history"].append(event)  # a retry of the serving failback, the fence lifted already
+            return FenceChange(cluster, "up", False, event)
         event = {"event": "up", "cluster": cluster, "by": _who(by), "at": _stamp(now),
                  "down_since": record.get("declared_at"), "down_reason": record.get("reason"),
-                 "serving": SERVING_ON_FAILBACK}
+                 "serving": SERVING_ON_FAILBACK if serving is None else serving}
         state["history"].append(event)
         return FenceChange(cluster, "up", True, event)
+
+
+def serving_stayed(change: FenceChange) -> list[str]:
+    """Why each endpoint still served on the DR side after ``change`` stays there (empty: none)."""
+    serving = change.record.get("serving")
+    endpoints = serving.get("endpoints", {}) if isinstance(serving, dict) else {}
+    return [f"{e}: {o.get('reason')}" for e, o in sorted(endpoints.items()) if o.get("state") == "on dr"]
 
 
 def fence_status(estate: Any = None, path: Path | None = None) -> dict[str, Any]:

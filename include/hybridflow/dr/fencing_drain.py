@@ -8,10 +8,10 @@ A stopped gang is never relaunched, so nothing of it starts again on the fenced 
 task fails naming the reason, and the newest checkpoint stays in the run's checkpoint places. A
 cluster whose backend does not answer is recorded as such: its gangs could not be checkpointed.
 
-Serving: the estate's serving entries are the model gateway on this machine (``serving.target``
-local, which belongs to no cluster of clusters.yaml) and the inference pool on
-``serving.kubernetes.cluster``. Neither is switched here; the outcome says which one, if any, runs
-on the fenced cluster.
+Serving: on the local target the model gateway's endpoints are moved to model servers on the
+disaster-recovery side, started from the replicated models (:mod:`hybridflow.dr.serving_failover`,
+which also says which cluster hosts serving); an inference pool on ``serving.kubernetes.cluster`` is
+reported and left as it is (:func:`serving_on`).
 """
 
 from __future__ import annotations
@@ -63,18 +63,21 @@ def serving_on(cluster_name: str, estate: Any) -> dict[str, Any]:
 
 
 def drain(cluster_name: str, reason: str, estate: Any, state_dir: Any, *,
-          backend_factory: Callable[[Any, Any, Any], Any] = _default_backend) -> dict[str, Any]:
-    """Checkpoint and stop the cluster's gangs, and report its serving entry; the outcome is what
-    :func:`hybridflow.dr.fencing.record_drain` keeps with the fence."""
+          backend_factory: Callable[[Any, Any, Any], Any] = _default_backend, dr_spec: Any = None) -> dict[str, Any]:
+    """Checkpoint and stop the cluster's gangs, and drain its serving entry to the DR side
+    (:func:`hybridflow.dr.serving_failover.fail_over`; ``dr_spec`` replaces the DR store); the
+    outcome is what :func:`hybridflow.dr.fencing.record_drain` keeps with the fence."""
+    from hybridflow.dr.serving_failover import fail_over
+
     gangs = checkpoint_gangs(cluster_name, f"cluster {cluster_name} declared down: {reason}", estate, state_dir,
                              backend_factory=backend_factory)
     return {"at": datetime.now(UTC).isoformat(timespec="seconds"), "gangs": gangs,
-            "serving": serving_on(cluster_name, estate)}
+            "serving": fail_over(cluster_name, estate, state_dir, dr_spec=dr_spec)}
 
 
 def fence_and_drain(cluster_name: str, reason: str, *, by: str | None = None, estate: Any = None,
-                    state_dir: Any = None, backend_factory: Callable[[Any, Any, Any], Any] = _default_backend
-                    ) -> dict[str, Any]:
+                    state_dir: Any = None, backend_factory: Callable[[Any, Any, Any], Any] = _default_backend,
+                    dr_spec: Any = None) -> dict[str, Any]:
     """``hybridflow cluster down``: fence first (no new placements from this moment), then drain and
     keep the outcome with the fence. A cluster down already is neither fenced nor drained again."""
     from hybridflow.dr.fencing import declare_down, record_drain, state_path
@@ -92,7 +95,8 @@ def fence_and_drain(cluster_name: str, reason: str, *, by: str | None = None, es
     change = declare_down(cluster_name, reason, by=by, estate=estate, path=path)
     out = change.to_dict()
     if change.changed:
-        outcome = drain(cluster_name, change.record["reason"], estate, state_dir, backend_factory=backend_factory)
+        outcome = drain(cluster_name, change.record["reason"], estate, state_dir, backend_factory=backend_factory,
+                        dr_spec=dr_spec)
         record_drain(cluster_name, outcome, path=path)
         out["record"]["drain"] = outcome
     return out

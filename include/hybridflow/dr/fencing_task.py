@@ -16,9 +16,10 @@ FENCE_PARAMS: dict[str, dict[str, Any]] = {
         "type": "string",
         "enum": ["down", "up"],
         "title": "Action",
-        "description": "down: fence the cluster (no new placements, its running gangs checkpointed and stopped; a "
-        "primary down puts the estate in takeover). up: lift the fence (failback); serving moves back only "
-        "through a deploy.",
+        "description": "down: fence the cluster (no new placements, its running gangs checkpointed and stopped, "
+        "the model gateway's endpoints served on the DR side from the replicated models; a primary down puts the "
+        "estate in takeover). up: lift the fence (failback); serving moves back only after the primary passes "
+        "the deploy gate.",
     },
     "cluster": {
         "default": None,
@@ -40,7 +41,7 @@ def fence_task(params: Mapping[str, Any], by: str | None = None) -> dict[str, An
     fails the task without a retry, naming the Param, and changes nothing."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.fencing import FencingError, declare_up
+    from hybridflow.dr.fencing import FencingError, declare_up, serving_stayed
     from hybridflow.dr.fencing_drain import fence_and_drain
 
     action, cluster = params.get("action"), params.get("cluster")
@@ -51,6 +52,11 @@ def fence_task(params: Mapping[str, Any], by: str | None = None) -> dict[str, An
     try:
         if action == "down":
             return fence_and_drain(cluster, params.get("reason") or "", by=by)
-        return declare_up(cluster, by=by).to_dict()
+        change = declare_up(cluster, by=by)
     except FencingError as exc:
         raise AirflowFailException(f"cluster {action}: {exc}") from exc
+    stayed = serving_stayed(change)
+    if stayed:  # the fence is lifted; a rerun retries the serving failback
+        raise AirflowFailException(f"cluster up: {cluster} takes placements again, but serving stays on the "
+                                   "disaster-recovery side: " + "; ".join(stayed))
+    return change.to_dict()

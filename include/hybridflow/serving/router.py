@@ -6,7 +6,9 @@
 (``{"version": ..., "url": "http://127.0.0.1:PORT"}``), re-read on every request, so a deployer
 switches an endpoint's traffic by atomically replacing that file; the gateway holds no state. A
 canary in that file (``"canary": {"version", "url", "percent"}``) takes that percent of the requests,
-drawn at random per request. Every answer forwarded, or failed on the way, carries
+drawn at random per request; a ``"takeover"`` entry (``{"version", "url", ...}``, written while the
+cluster serving stands for is declared down, :mod:`hybridflow.dr.serving_failover`) takes every
+request, ahead of both. Every answer forwarded, or failed on the way, carries
 ``X-Model-Version`` of the backend it was sent to, so a client can attribute failures.
 ``GET /healthz`` answers for the gateway itself (``"router": true``, its state root, the endpoints
 it knows with their active versions); an unknown endpoint gets 404 naming the known ones, an endpoint
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 HOST = "127.0.0.1"
 ACTIVE_FILE = "active.json"
 VERSIONS_DIR = "versions"
+TAKEOVER = "takeover"  # the endpoint served on the disaster-recovery side while its cluster is down
 MODELS_PREFIX = "/v1/models/"
 FORWARD_TIMEOUT_S = 30.0
 MAX_BODY_BYTES = 64 * 1024 * 1024  # the backend applies its own, signature-sized limit
@@ -90,9 +93,12 @@ def read_active(state_dir: Path) -> dict[str, Any]:
 
 
 def pick_backend(state_dir: Path, draw: float | None = None) -> dict[str, Any]:
-    """The backend for one request: the canary with its percent's chance, else the stable one.
-    ``draw`` in [0, 100) replaces the random draw."""
+    """The backend for one request: the takeover backend when there is one (every request), else the
+    canary with its percent's chance, else the stable one. ``draw`` in [0, 100) replaces the random draw."""
     active = _read(state_dir)
+    takeover = active.get(TAKEOVER) if isinstance(active, dict) else None
+    if isinstance(takeover, dict):
+        return _backend(takeover, state_dir / ACTIVE_FILE)
     share = canary_share(active)
     draw = random.uniform(0.0, 100.0) if draw is None else draw
     if share > 0 and draw < share:

@@ -1,0 +1,203 @@
+"""Serving failover of the local deploy target: a cluster declared down that hosts serving has each
+endpoint of the model gateway moved to a model server on the disaster-recovery side.
+
+**Which cluster hosts serving.** On a Kubernetes target (``kubernetes``, ``kserve``) the inference
+pool's ``serving.kubernetes.cluster``. On the local target the model servers behind the gateway stand
+for the estate's one private ``role: primary`` cluster; with none or several, no cluster is named and
+nothing is moved (the outcome says why).
+
+**Failover** (:func:`fail_over`, run by the drain of ``hybridflow cluster down``). For every endpoint
+whose ``active.json`` names a backend: the active version's replica in the DR store, or the newest
+replicated version when the active one is not replicated (``source`` says which), is fetched and
+verified against its manifest onto the DR cluster's scratch, started with the project's model server
+(detached, so it outlives the command), and checked with one prediction made from the model's
+signature. Only then does ``active.json`` get a ``takeover`` entry (``version``, ``url``, ``pid``,
+``cluster``, ...), which the gateway routes every request to, ahead of the stable version and any
+canary. With no replica, the outcome says so and routing is left as it is. An endpoint whose takeover
+server answers already starts nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridflow.dr.replicas import sha256_of
+from hybridflow.serving.processes import now, read_json, write_json
+from hybridflow.serving.router import TAKEOVER  # the active.json entry; also the DR server's folder
+
+SERVER_MODULE = "hybridflow.serving.server"
+
+
+class NoReplica(Exception):
+    """No verified replica of the endpoint's model is in the DR store."""
+
+
+def serving_cluster(estate: Any) -> tuple[str | None, str]:
+    """(the cluster whose outage takes serving with it, or None; how it was chosen)."""
+    from hybridflow.serving import target_name
+
+    serving = estate.pipeline.serving
+    target = target_name(serving)
+    if target != "local":
+        pool = serving.kubernetes
+        if pool is None:
+            return None, f"serving.target {target} names no serving.kubernetes.cluster"
+        return pool.cluster, f"the inference pool ({target}) runs on serving.kubernetes.cluster {pool.cluster}"
+    primaries = sorted(n for n, c in estate.clusters.items() if c.role == "primary" and c.location == "private")
+    if len(primaries) != 1:
+        return None, (f"the model gateway (serving.target local) stands for the one private role: primary cluster, "
+                      f"and clusters.yaml has {len(primaries)} ({', '.join(primaries) or 'none'})")
+    return primaries[0], f"the model gateway (serving.target local) serves for the private primary {primaries[0]}"
+
+
+def endpoints_served(root: Path) -> list[str]:
+    """Endpoints of the gateway under ``root`` whose active.json names a backend URL."""
+    from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
+
+    return [e for e in known_endpoints(root) if (read_json(root / e / ACTIVE_FILE) or {}).get("url")]
+
+
+def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> tuple[dict[str, Any], Path, str]:
+    """(the replica's manifest, the bundle fetched and verified into ``dest``, which version and why):
+    ``version`` when it is replicated, else the newest replicated one."""
+    from hybridflow.dr.drill_replicas import _model_manifests
+    from hybridflow.storage.objectstore import open_store
+
+    store = open_store(spec)
+    manifests = _model_manifests(store, endpoint)
+    if not manifests:
+        raise NoReplica(f"no model of {endpoint} is replicated to the DR store {store.uri}; run dr_replication")
+    same = [m for m in manifests if str(m.get("version")) == str(version)]
+    body = same[0] if same else manifests[0]
+    chosen = str(body["version"])
+    source = (f"the active version {chosen}, replicated" if same else
+              f"the newest replicated version {chosen} (the active version {version} is not replicated)")
+    bundle = dest / chosen
+    bundle.mkdir(parents=True, exist_ok=True)
+    for obj in body["objects"]:
+        data = store.get_bytes(obj["key"])
+        if len(data) != int(obj["size"]) or sha256_of(data) != obj["sha256"]:
+            raise NoReplica(f"{obj['key']} in the DR store does not match its manifest {body['_key']}; run "
+                            "dr_reconciliation to repair it")
+        (bundle / obj["key"].rsplit("/", 1)[1]).write_bytes(data)
+    return body, bundle, source
+
+
+def ready_file(edir: Path, version: str) -> Path:
+    return edir / TAKEOVER / f"{version}.ready"
+
+
+def start_server(edir: Path, endpoint: str, version: str, bundle: Path, settings: Any) -> dict[str, Any]:
+    """The DR-side model server of ``bundle``, detached, ready, healthy and answering one prediction."""
+    from hybridflow.bundle import read_card
+    from hybridflow.dr.drill_takeover import probe_instance
+    from hybridflow.serving.checks import StepFailed, predict, url_of, wait_healthy, wait_ready
+    from hybridflow.serving.deploy import START_TIMEOUT_S, server_command
+    from hybridflow.serving.processes import log_size, spawn, stop_child
+
+    folder = edir / TAKEOVER
+    ready, log_path = ready_file(edir, version), folder / f"{version}.log"
+    ready.unlink(missing_ok=True)
+    since = log_size(log_path)
+    python, flags = server_command(settings.server)
+    proc = spawn([SERVER_MODULE, "--bundle", str(bundle), "--endpoint", endpoint, "--version", version, "--port", "0",
+                  "--ready-file", str(ready), *flags], log_path, folder, python=python)
+    try:
+        url = url_of(wait_ready(proc, ready, log_path, since, START_TIMEOUT_S))
+        wait_healthy(url, endpoint, version, proc.pid)
+        answer = predict(url, endpoint, [probe_instance(read_card(bundle).signature)], version)
+    except (StepFailed, OSError):
+        stop_child(proc)
+        raise
+    return {"version": version, "url": url, "pid": proc.pid, "log": str(log_path), "prediction": answer[0],
+            "healthy_at": now()}
+
+
+def stop_server(edir: Path, entry: dict[str, Any]) -> bool:
+    """Stop the takeover server ``entry`` names, if that pid is still the server started for it."""
+    from hybridflow.serving.processes import terminate
+
+    return terminate(entry.get("pid"), SERVER_MODULE, str(ready_file(edir, str(entry.get("version")))))
+
+
+def _take_over(edir: Path, dr: Any, spec: Any, scratch: Path, settings: Any) -> dict[str, Any]:
+    """Move one endpoint to the DR side (under the endpoint's lock: no deploy switches it meanwhile)."""
+    from hybridflow.serving.checks import StepFailed, backend_healthy
+    from hybridflow.serving.processes import endpoint_lock
+    from hybridflow.serving.router import ACTIVE_FILE
+
+    endpoint = edir.name
+    with endpoint_lock(edir):
+        active = read_json(edir / ACTIVE_FILE) or {}
+        primary = {"version": active.get("version"), "url": active.get("url"), "pid": active.get("pid")}
+        standing = active.get(TAKEOVER)
+        if isinstance(standing, dict) and backend_healthy(standing, endpoint):
+            return {"state": "on dr", "primary": primary, "dr": standing, "note": "served on the DR side already"}
+        try:
+            body, bundle, source = fetch_replica(spec, endpoint, active.get("version"), scratch / endpoint)
+        except NoReplica as exc:
+            return {"state": "not moved", "primary": primary, "reason": f"{exc}; serving left as it was"}
+        (edir / TAKEOVER).mkdir(exist_ok=True)
+        if isinstance(standing, dict):
+            stop_server(edir, standing)  # an earlier takeover server that no longer answers
+        try:
+            server = start_server(edir, endpoint, str(body["version"]), bundle, settings)
+        except (StepFailed, OSError) as exc:
+            return {"state": "not moved", "primary": primary,
+                    "reason": f"the DR-side server of {source} did not answer: {exc}; serving left as it was"}
+        entry = {**server, "cluster": dr.name, "model": body.get("model"), "source": source, "bundle": str(bundle),
+                 "replica": body["_key"], "replicated_at": body.get("replicated_at"), "since": now()}
+        write_json(edir / ACTIVE_FILE, {**active, TAKEOVER: entry})
+    return {"state": "on dr", "primary": primary, "dr": entry}
+
+
+def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = None) -> dict[str, Any]:
+    """Drain the serving entry of ``cluster_name`` to the DR side (see the module doc); the outcome
+    kept with the fence as its drain's ``serving``."""
+    from hybridflow.dr.fencing_drain import serving_on
+    from hybridflow.serving import target_name
+
+    serving = estate.pipeline.serving
+    if target_name(serving) != "local":
+        return serving_on(cluster_name, estate)
+    where, why = serving_cluster(estate)
+    if where != cluster_name:
+        return {"entry": None, "drained": False, "rule": why, "note": f"no serving entry on {cluster_name}: {why}"}
+    root = Path(state_dir).resolve() / "serving"
+    entry = f"the model gateway on 127.0.0.1:{serving.port}"
+    endpoints = endpoints_served(root)
+    if not endpoints:
+        return {"entry": None, "drained": False, "rule": why, "endpoints": {},
+                "note": f"no serving entry on {cluster_name}: no endpoint of the model gateway (serving.target local) "
+                        "names a backend; nothing to move"}
+    try:
+        dr, spec, scratch = _dr_side(estate, state_dir, dr_spec)
+    except Exception as exc:  # noqa: BLE001 - the fence stands; the record says why serving did not move
+        return {"entry": entry, "drained": False, "rule": why, "endpoints": {},
+                "note": f"serving left as it was: the DR store cannot be opened ({type(exc).__name__}: {exc})"}
+    moved = {e: _take_over(root / e, dr, spec, scratch, serving) for e in endpoints}
+    return {"entry": entry, "drained": all(m["state"] == "on dr" for m in moved.values()), "rule": why,
+            "dr_cluster": dr.name, "endpoints": moved}
+
+
+def _dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:
+    """(the DR cluster, its store, where replicas are fetched to: its scratch's ``serving`` folder)."""
+    from hybridflow.dr.scope import dr_cluster
+    from hybridflow.placement.places import cache_store_spec, scratch_root
+    from hybridflow.settings import Settings
+
+    dr = dr_cluster(estate)
+    spec = dr_spec if dr_spec is not None else cache_store_spec(dr)
+    home = Settings(home=Path(state_dir).resolve().parent, config_dir=Path("."))  # state_dir is <home>/state
+    return dr, spec, scratch_root(dr, home) / "serving"
+
+
+def takeovers(state_dir: Any) -> dict[str, dict[str, Any]]:
+    """``{endpoint: active.json}`` of the endpoints served on the DR side now."""
+    from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
+
+    root = Path(state_dir).resolve() / "serving"
+    found = {e: read_json(root / e / ACTIVE_FILE) or {} for e in known_endpoints(root)}
+    return {e: a for e, a in found.items() if isinstance(a.get(TAKEOVER), dict)}
+
