@@ -127,6 +127,21 @@ def _fence(served) -> Path:
     return served["home"] / "state" / "fencing.json"
 
 
+def test_the_local_gateway_stands_for_the_one_private_primary(tmp_path: Path) -> None:
+    from hybridflow.dr.serving_failover import serving_cluster
+
+    config = _config(tmp_path, 8790)
+    assert serving_cluster(load_estate(config, use_cache=False))[0] == PRIMARY
+    doc = yaml.safe_load((config / "clusters.yaml").read_text())
+    doc["clusters"]["onprem-b"] = {**doc["clusters"][PRIMARY], "region": "dc-3"}
+    (config / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    estate = load_estate(config, use_cache=False)
+    where, why = serving_cluster(estate)
+    assert where is None and "clusters.yaml has 2 (onprem-a, onprem-b)" in why
+    out = fail_over(PRIMARY, estate, tmp_path / "state")  # nothing moved, and the outcome says why
+    assert out["entry"] is None and not out["drained"] and "onprem-b" in out["note"]
+
+
 def test_the_gateway_sends_every_request_to_the_takeover_backend_ahead_of_the_canary(tmp_path: Path) -> None:
     from hybridflow.serving.router import NoBackend
 
