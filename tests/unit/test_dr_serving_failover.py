@@ -243,3 +243,30 @@ def test_down_without_a_replicated_model_says_so_and_changes_no_routing(primary)
     # Nothing on the DR side: `up` lifts the fence and has no serving to move back.
     change = declare_up(PRIMARY, estate=primary["estate"], path=_fence(primary))
     assert change.changed and "none was moved back" in change.record["serving"]
+
+
+def test_stopping_an_endpoint_stops_its_dr_side_server_too(tmp_path: Path) -> None:
+    """``hybridflow dev down`` (stop_endpoint) leaves no DR-side server of a taken-over endpoint behind."""
+    import subprocess
+    import sys
+    import time
+
+    from hybridflow.serving.deploy import stop_endpoint
+
+    edir = tmp_path / "serving" / "digits"
+    (edir / "takeover").mkdir(parents=True)
+    ready = edir / "takeover" / "v1.ready"
+    # A process that reads as the DR-side server of v1 (module and ready file on its command line).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "hybridflow.serving.server",
+                             "--ready-file", str(ready)])
+    try:
+        deadline = time.monotonic() + 5
+        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the command line reads empty for a moment after the spawn
+        (edir / "active.json").write_text(json.dumps({"version": "v0", "takeover": {"version": "v1", "pid": proc.pid}}))
+        assert stop_endpoint(tmp_path / "serving", "digits")["stopped_pids"] == [proc.pid]
+        assert proc.wait(timeout=10) is not None and not (edir / "active.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -70,7 +70,7 @@ from hybridflow.serving.processes import (
     write_json,
 )
 from hybridflow.serving.rollout import run_gate, run_window
-from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
+from hybridflow.serving.router import ACTIVE_FILE, TAKEOVER, known_endpoints
 
 if TYPE_CHECKING:
     from hybridflow.config import Estate, ServingSettings
@@ -267,6 +267,11 @@ class LocalTarget(DeployTarget[_Started]):
         else:
             body = {**mine, "model": plan.card.model, "variant": plan.card.variant, "bundle": str(plan.bundle_dir),
                     "activated_at": now(), "result": staged.outcome}
+        # While the endpoint is taken over by the DR side (a cluster declared down), the gateway keeps
+        # routing there: only a failback through the gate (hybridflow.dr.serving_failback) ends it.
+        takeover = (read_json(self.edir / ACTIVE_FILE) or {}).get(TAKEOVER)
+        if takeover:
+            body[TAKEOVER] = takeover
         staged.switched = True
         write_json(self.edir / ACTIVE_FILE, body)
 
@@ -390,6 +395,9 @@ def stop_endpoint(state_root: Path, endpoint: str) -> dict[str, Any]:
         active = read_json(edir / ACTIVE_FILE) or {}
         if terminate(active.get("pid"), SERVER_MODULE, str(_ready_file(edir, str(active.get("version"))))):
             stopped.append(active["pid"])
+        dr = active.get(TAKEOVER) or {}  # the DR side's server (hybridflow.dr.serving_failover)
+        if terminate(dr.get("pid"), SERVER_MODULE, str(edir / TAKEOVER / f"{dr.get('version')}.ready")):
+            stopped.append(dr["pid"])
         # Nothing serves any more; an active.json left behind would describe a dead backend.
         (edir / ACTIVE_FILE).unlink(missing_ok=True)
     return {"endpoint": endpoint, "stopped_pids": stopped}
