@@ -41,7 +41,7 @@ def _names(store, prefix: str) -> list[str]:
     return sorted({i.key[len(prefix):].split("/", 1)[0] for i in store.list(prefix) if "/" in i.key[len(prefix):]})
 
 
-def _model_manifests(store, endpoint: str) -> list[dict[str, Any]]:
+def model_manifests(store, endpoint: str) -> list[dict[str, Any]]:
     prefix = f"models/{endpoint}/"
     found = []
     for info in store.list(prefix):
@@ -64,22 +64,31 @@ def choose_endpoint(store, endpoint: str | None) -> str:
     return endpoints[0]
 
 
+def fetch_bundle(store, body: dict, bundle: Path) -> None:
+    """Every file of the replicated model ``body`` (a manifest of :func:`model_manifests`) written to
+    ``bundle``, each checked against the manifest; ValueError names the first that does not match."""
+    bundle.mkdir(parents=True, exist_ok=True)
+    for obj in body["objects"]:
+        data = store.get_bytes(obj["key"])
+        if len(data) != int(obj["size"]) or sha256_of(data) != obj["sha256"]:
+            raise ValueError(f"{obj['key']} in the DR store does not match its manifest {body['_key']}; run "
+                             "dr_reconciliation to repair it")
+        (bundle / obj["key"].rsplit("/", 1)[1]).write_bytes(data)
+
+
 def fetch_model(spec: StoreSpec, endpoint: str, dest: Path) -> ReplicatedModel:
     """The newest replicated version of ``endpoint`` whose every file verifies, written to ``dest``."""
     store = open_store(spec)
-    manifests = _model_manifests(store, endpoint)
+    manifests = model_manifests(store, endpoint)
     if not manifests:
         raise DrillError("endpoint", f"no model of {endpoint!r} is replicated to the DR store; run dr_replication")
     body = manifests[0]
     version = str(body["version"])
     bundle = dest / f"{endpoint}-{version}"
-    bundle.mkdir(parents=True, exist_ok=True)
-    for obj in body["objects"]:
-        data = store.get_bytes(obj["key"])
-        if len(data) != int(obj["size"]) or sha256_of(data) != obj["sha256"]:
-            raise DrillError("endpoint", f"{obj['key']} in the DR store does not match its manifest "
-                                         f"{body['_key']}; run dr_reconciliation to repair it")
-        (bundle / obj["key"].rsplit("/", 1)[1]).write_bytes(data)
+    try:
+        fetch_bundle(store, body, bundle)
+    except ValueError as exc:
+        raise DrillError("endpoint", str(exc)) from exc
     return ReplicatedModel(endpoint, str(body.get("model") or endpoint), version, bundle,
                            str(body.get("replicated_at") or ""))
 

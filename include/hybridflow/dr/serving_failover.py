@@ -22,7 +22,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.replicas import sha256_of
 from hybridflow.serving.processes import now, read_json, write_json
 from hybridflow.serving.router import TAKEOVER  # the active.json entry; also the DR server's folder
 
@@ -61,11 +60,11 @@ def endpoints_served(root: Path) -> list[str]:
 def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> tuple[dict[str, Any], Path, str]:
     """(the replica's manifest, the bundle fetched and verified into ``dest``, which version and why):
     ``version`` when it is replicated, else the newest replicated one."""
-    from hybridflow.dr.drill_replicas import _model_manifests
+    from hybridflow.dr.drill_replicas import fetch_bundle, model_manifests
     from hybridflow.storage.objectstore import open_store
 
     store = open_store(spec)
-    manifests = _model_manifests(store, endpoint)
+    manifests = model_manifests(store, endpoint)
     if not manifests:
         raise NoReplica(f"no model of {endpoint} is replicated to the DR store {store.uri}; run dr_replication")
     same = [m for m in manifests if str(m.get("version")) == str(version)]
@@ -74,13 +73,10 @@ def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> 
     source = (f"the active version {chosen}, replicated" if same else
               f"the newest replicated version {chosen} (the active version {version} is not replicated)")
     bundle = dest / chosen
-    bundle.mkdir(parents=True, exist_ok=True)
-    for obj in body["objects"]:
-        data = store.get_bytes(obj["key"])
-        if len(data) != int(obj["size"]) or sha256_of(data) != obj["sha256"]:
-            raise NoReplica(f"{obj['key']} in the DR store does not match its manifest {body['_key']}; run "
-                            "dr_reconciliation to repair it")
-        (bundle / obj["key"].rsplit("/", 1)[1]).write_bytes(data)
+    try:
+        fetch_bundle(store, body, bundle)
+    except ValueError as exc:
+        raise NoReplica(str(exc)) from exc
     return body, bundle, source
 
 
