@@ -220,12 +220,21 @@ def test_up_with_a_primary_that_fails_the_gate_keeps_serving_on_dr_and_a_later_u
     assert alive(dr["pid"]) and pick_backend(primary["edir"])["url"] == dr["url"]
     assert _through_gateway(primary) == {(200, "v1")}
     assert read_fence(_fence(primary))["history"][-1]["serving"] == record["serving"]
+    # The cluster_fence DAG's task, run again with the same bars, retries and fails naming why.
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.dr.fencing_task import fence_task
+
+    with pytest.raises(AirflowFailException, match=r"serving stays on the disaster-recovery side: .*serving.gate.p99_ms"):
+        fence_task({"action": "up", "cluster": PRIMARY}, by="ops")
+    assert alive(dr["pid"]) and pick_backend(primary["edir"])["url"] == dr["url"]
     # With bars the primary meets, a later `up` (the cluster is up already) retries and moves serving back.
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(primary["base"] / "quick" / "config"))
     assert main(["cluster", "up", PRIMARY]) == 0
     retry = json.loads(capsys.readouterr().out)["record"]
     assert retry["event"] == "serving failback" and retry["serving"]["moved_back"]
-    assert [e["event"] for e in read_fence(_fence(primary))["history"]] == ["down", "up", "serving failback"]
+    assert [e["event"] for e in read_fence(_fence(primary))["history"]] == ["down", "up", "serving failback",
+                                                                        "serving failback"]
     assert not alive(dr["pid"]) and _healthz_pid(pick_backend(primary["edir"])["url"]) == primary["proc"].pid
 
 
