@@ -72,6 +72,7 @@ def _check_dr_replicate(path: Path, cf: ClustersFile, catalogue: Any, registry: 
     for name, c in cf.clusters.items():
         if c.dr is None:
             continue
+        problems += _check_dr_serving(f"{path}: clusters.{name}.dr.serving", c)
         at = f"{path}: clusters.{name}.dr.replicate"
         if Path(catalogue.path).is_file():
             for i, ds in enumerate(c.dr.replicate.datasets):
@@ -84,6 +85,20 @@ def _check_dr_replicate(path: Path, cf: ClustersFile, catalogue: Any, registry: 
                     problems.append(f"{at}.endpoints[{i}]: {ep!r} is no model's endpoint in {MODELS_FILE}; use one "
                                     f"of: {', '.join(endpoints) or 'none'}")
     return problems
+
+
+def _check_dr_serving(at: str, c: Cluster) -> list[str]:
+    """``dr.serving`` is the inference pool of a kubernetes DR cluster, on one of its node pools."""
+    serving = c.dr.serving if c.dr is not None else None
+    if serving is None:
+        return []
+    if c.backend != "kubernetes":
+        return [f"{at}: only used with backend: kubernetes (a local DR cluster serves through the model gateway); "
+                "remove it or set backend: kubernetes"]
+    pools = [p.name for p in c.node_pools]
+    if serving.node_pool not in pools:
+        return [f"{at}.node_pool: {serving.node_pool!r} is no node pool of this cluster; use one of: {', '.join(pools)}"]
+    return []
 
 
 def _check_backend(at: str, c: Cluster) -> list[str]:

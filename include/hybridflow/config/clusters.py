@@ -51,6 +51,20 @@ class DrReplicate(_Model):
     datasets: list[str] = Field(default_factory=list)
 
 
+class DrServing(_Model):
+    """Kubernetes DR clusters: the inference pool a takeover serves the replicated models from, at
+    minimum scale, in the kind and with the image of ``serving.kubernetes``."""
+
+    node_pool: str = Field(min_length=1)  # a node pool of this cluster
+    namespace: str = Field(default="hybridflow-serving", min_length=1)
+    # PersistentVolumeClaim of the DR cluster's models volume, and where the same volume is mounted on
+    # the Airflow workers (the replicated bundle is published there before the pool starts).
+    models_claim: str = Field(min_length=1)
+    models_dir: str = Field(min_length=1)
+    replicas: int = Field(default=1, ge=1, le=100)  # the minimum service
+    ready_timeout_s: float = Field(default=600, gt=0)
+
+
 class DrSettings(_Model):
     """What a ``role: dr`` cluster must offer in a takeover, and the work it may take meanwhile."""
 
@@ -62,6 +76,8 @@ class DrSettings(_Model):
     public_reason: str | None = Field(default=None, min_length=1)
     # What replication keeps on this cluster ahead of need (default: everything served).
     replicate: DrReplicate = Field(default_factory=DrReplicate)
+    # backend kubernetes only: where a takeover serves when serving.target is kubernetes or kserve.
+    serving: DrServing | None = None
 
 
 class Cluster(_Model):
