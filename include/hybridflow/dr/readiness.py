@@ -1,5 +1,7 @@
 """Whether a DR cluster could take over with what it is configured with: the Airflow Connections it
-needs exist, and (on Kubernetes) its training image is the one the other clusters' gangs run.
+needs exist, (on Kubernetes) its training image is the one the other clusters' gangs run, and, when
+models serve on Kubernetes (``serving.target`` kubernetes or kserve), it has an inference pool
+(``dr.serving``) and the serving image is one fixed build.
 
 Connections are looked up by id only (the task's secrets backend, environment or database);
 nothing is read from them and nothing of them is logged.
@@ -57,6 +59,47 @@ def _is_not_found(exc: BaseException) -> bool:
     return type(exc).__name__ in ("AirflowNotFoundException", "KeyError", "LookupError")
 
 
+def _pinned(image: str) -> bool:
+    """Whether an image reference names one build: a digest, or a tag other than ``latest``."""
+    if "@" in image:
+        return True
+    name = image.rsplit("/", 1)[-1]
+    return ":" in name and name.rsplit(":", 1)[1] not in ("", "latest")
+
+
+def serving_missing(cluster, estate) -> list[Missing]:
+    """What a Kubernetes DR cluster lacks to serve the replicated models in a takeover, when the
+    estate serves on Kubernetes; nothing for a local DR cluster or the local model gateway."""
+    from hybridflow.serving import target_name
+
+    serving = estate.pipeline.serving
+    target = target_name(serving)
+    if cluster.backend != "kubernetes" or target == "local":
+        return []
+    missing = []
+    at = f"clusters.{cluster.name}.dr.serving"
+    pool = cluster.dr.serving if cluster.dr is not None else None
+    if pool is None:
+        missing.append(Missing(at, f"not set: models serve on Kubernetes (serving.target {target}), so a takeover "
+                                   "serves the replicated models from an inference pool of this cluster, and it "
+                                   "has none",
+                               "add dr.serving to the cluster in clusters.yaml: {node_pool: <one of its node_pools>, "
+                               "models_claim: <the PersistentVolumeClaim of its models volume>, models_dir: <where "
+                               "that volume is mounted on the Airflow workers>} (docs/disaster-recovery.md)"))
+    elif not pool.models_dir.startswith("/"):
+        missing.append(Missing(f"{at}.models_dir", f"{pool.models_dir!r} is not an absolute path",
+                               "set it to the absolute path where models_claim is mounted on the Airflow workers"))
+    image = serving.kubernetes.image if serving.kubernetes is not None else None
+    # The DR pool runs serving.kubernetes.image itself; a floating reference can still pull other code
+    # there at takeover time than the primary's pods loaded.
+    if image and (any(c.isspace() for c in image) or not _pinned(image)):
+        missing.append(Missing("serving.kubernetes.image",
+                               f"{image} names no fixed build (no tag, or latest), so a takeover may serve other "
+                               "code than the primary",
+                               "pin the serving image by a version tag or a digest (image:1.4 or image@sha256:...)"))
+    return missing
+
+
 def check_readiness(cluster, estate, *, lookup: Callable[[str], Any] | None = None) -> list[Missing]:
     """What ``cluster`` lacks for a takeover (empty: nothing). ``lookup(conn_id)`` raises when the
     Connection does not exist (default: Airflow's)."""
@@ -78,4 +121,4 @@ def check_readiness(cluster, estate, *, lookup: Callable[[str], Any] | None = No
             missing.append(Missing(f"clusters.{cluster.name}.image",
                                    f"{cluster.image} is not the image the other clusters run ({', '.join(images)})",
                                    "use the same training image on the DR cluster, so a takeover runs the same code"))
-    return missing
+    return missing + serving_missing(cluster, estate)

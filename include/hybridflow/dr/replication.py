@@ -4,7 +4,8 @@ One pass copies, into the DR cluster's store (its ``cache`` bucket in clusters.y
 
 - the newest ``keep`` validated versions of every dataset in scope (and the version each running
   critical run trains on), refused towards a store its classification or regions keep it from;
-- the newest ``keep`` model versions each endpoint in scope served (the one serving now first);
+- the newest ``keep`` model versions each endpoint in scope served (the one serving now first), from
+  the local model gateway or, on the Kubernetes serving target, its models volume;
 - the newest committed checkpoint that verifies of each running critical run.
 
 Each set follows :mod:`hybridflow.dr.replicas` (checked at the source, add-only, verified, manifest
@@ -99,11 +100,11 @@ def _lazy(make):
     return get
 
 
-def _model_sets(settings, scope: Scope, keep: int) -> list[ReplicaSet]:
-    from hybridflow.dr.sources import model_set, served_versions
+def _model_sets(scope: Scope, keep: int) -> list[ReplicaSet]:
+    """The newest ``keep`` versions of each endpoint, the one serving now among them whatever its age."""
+    from hybridflow.dr.sources import model_set
 
-    root = Path(settings.state_dir) / "serving"
-    return [model_set(e, r) for e in scope.endpoints for r in served_versions(root, e)[:keep]]
+    return [model_set(e, r) for e in scope.endpoints for r in scope.versions.get(e, [])[:keep]]
 
 
 def _checkpoint_sets(estate, settings, scope: Scope, problems: list[Problem]) -> list[ReplicaSet]:
@@ -157,8 +158,8 @@ def replicate(
 
         store = open_store(cache_store_spec(dr))
     report = ReplicationReport(cluster=dr.name, store=store.uri)
-    report.problems += [Problem("cluster", dr.name, "", p) for p in scope.problems]
-    sets = (_dataset_sets(estate, settings, dr, scope, keep, report.problems) + _model_sets(settings, scope, keep)
+    report.problems += [Problem("cluster", dr.name, "", p) for p in scope.problems] + scope.serving_problems
+    sets = (_dataset_sets(estate, settings, dr, scope, keep, report.problems) + _model_sets(scope, keep)
             + _checkpoint_sets(estate, settings, scope, report.problems))
     for rs in sets:
         report.sets.append(replicate_set(rs, store, log=log))
@@ -178,6 +179,6 @@ def healthy_sources(estate, settings, **kwargs) -> dict[str, Any]:
     dr = dr_cluster(estate, kwargs.pop("cluster", None))
     keep = kwargs.pop("keep", None) or max(MIN_KEEP, estate.pipeline.staging.keep_versions)
     scope = scope_of(estate, settings, dr, **kwargs)
-    sets = (_dataset_sets(estate, settings, dr, scope, keep, problems) + _model_sets(settings, scope, keep)
+    sets = (_dataset_sets(estate, settings, dr, scope, keep, problems) + _model_sets(scope, keep)
             + _checkpoint_sets(estate, settings, scope, problems))
     return {w.key: w for rs in sets for w in rs.objects}

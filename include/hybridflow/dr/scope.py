@@ -1,7 +1,8 @@
 """Which cluster is the DR side and what it must hold: the DR cluster of ``clusters.yaml``, the
 endpoints and datasets to keep there, and the critical training running now.
 
-Without names, the endpoints are every endpoint the model gateway serves, the datasets the ones
+Without names, the endpoints are every endpoint the deploy target serves or served (the local
+model gateway's, or those with a bundle on the Kubernetes target's models volume), the datasets the ones
 their models are registered with, and the runs every critical run whose gang is running on a
 cluster other than the DR one (with the dataset version it trains on).
 """
@@ -75,6 +76,9 @@ class Scope:
     datasets: list[str]
     runs: list[CriticalRun]
     problems: list[str] = field(default_factory=list)  # what could not be looked at (a cluster unreachable)
+    # endpoint -> its version records, newest first (what serves now first), as the deploy target keeps them
+    versions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    serving_problems: list[Any] = field(default_factory=list)  # Problems of the serving target (API unreachable)
 
 
 def served_endpoints(serving_root: Path) -> list[str]:
@@ -115,8 +119,9 @@ def scope_of(estate, settings, dr, *, endpoints: Sequence[str] | None = None, da
              runs: Sequence[CriticalRun] | None = None, log: Any = logger) -> Scope:
     """What to keep on ``dr``; names given are checked against the estate first (ReplicationError
     naming ``endpoints`` or ``datasets``)."""
-    serving_root = Path(settings.state_dir) / "serving"
-    served = served_endpoints(serving_root)
+    from hybridflow.dr.sources import endpoint_versions, served_endpoint_names
+
+    served = served_endpoint_names(estate, settings)
     if endpoints is not None:
         unknown = sorted(set(endpoints) - set(served))
         if unknown:
@@ -133,14 +138,16 @@ def scope_of(estate, settings, dr, *, endpoints: Sequence[str] | None = None, da
         found, problems = running_critical_runs(estate, settings, dr.name, log)
     else:
         found = list(runs)
+    serving_problems: list[Any] = []
+    # Asked once per pass: on Kubernetes each endpoint costs a call to the serving cluster's API server.
+    versions = {e: endpoint_versions(estate, settings, e, serving_problems) for e in chosen}
     if datasets is None:
-        from hybridflow.dr.sources import served_versions
-
         names: set[str] = set()
         for endpoint in chosen:
-            for record in served_versions(serving_root, endpoint)[:1]:
+            for record in versions[endpoint][:1]:
                 model = estate.models.models.get(str(record.get("model")))
                 if model is not None:
                     names.add(model.dataset)
         datasets = sorted(names)
-    return Scope(endpoints=chosen, datasets=list(datasets), runs=found, problems=problems)
+    return Scope(endpoints=chosen, datasets=list(datasets), runs=found, problems=problems, versions=versions,
+                 serving_problems=serving_problems)

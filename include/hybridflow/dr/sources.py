@@ -3,9 +3,10 @@
 - **dataset versions**: the versions validate_data pinned (``dataset-version.json`` in run folders:
   the SHA-256 of every split file it checked), newest first; their files are read where the
   dataset lives and must still match the pin;
-- **model versions**: the bundles an endpoint serves or served (``<endpoint>/versions/*.json`` of
-  the local model gateway), newest first; a bundle keeps no digests, so its bytes as first
-  replicated are what the DR manifest records;
+- **model versions**: the bundles an endpoint serves or served, newest first, the one serving now
+  always included: ``<endpoint>/versions/*.json`` of the local model gateway, or on the Kubernetes
+  serving target the bundles published on its models volume (:mod:`hybridflow.dr.sources_k8s`); a
+  bundle keeps no digests, so its bytes as first replicated are what the DR manifest records;
 - **checkpoints**: the newest committed checkpoint of a run, from either of its two places, every
   shard checked against the checkpoint's manifest.
 """
@@ -94,6 +95,35 @@ def served_versions(serving_root: Path, endpoint: str) -> list[dict[str, Any]]:
         active = {}
     live = {active.get("version"), (active.get("canary") or {}).get("version")} - {None}
     return sorted(records, key=lambda r: (r["version"] in live, str(r.get("started_at") or "")), reverse=True)
+
+
+def serves_locally(estate) -> bool:
+    """Whether the estate serves through the local model gateway (else on Kubernetes: deployment or kserve)."""
+    from hybridflow.serving import target_name
+
+    return target_name(estate.pipeline.serving) == "local"
+
+
+def served_endpoint_names(estate, settings) -> list[str]:
+    """The endpoints the estate's deploy target serves or served: the local gateway's, or those with
+    a bundle on the Kubernetes target's models volume."""
+    if serves_locally(estate):
+        from hybridflow.dr.scope import served_endpoints
+
+        return served_endpoints(Path(settings.state_dir) / "serving")
+    from hybridflow.dr.sources_k8s import published_endpoints
+
+    return published_endpoints(Path(estate.pipeline.serving.kubernetes.models_dir))
+
+
+def endpoint_versions(estate, settings, endpoint: str, problems: list[Problem]) -> list[dict[str, Any]]:
+    """The version records of ``endpoint`` (newest first, what serves now first) from the estate's
+    deploy target; what could not be looked at is added to ``problems``."""
+    if serves_locally(estate):
+        return served_versions(Path(settings.state_dir) / "serving", endpoint)
+    from hybridflow.dr.sources_k8s import k8s_served_versions
+
+    return k8s_served_versions(estate, settings, endpoint, problems)
 
 
 def model_set(endpoint: str, record: dict[str, Any]) -> ReplicaSet:

@@ -35,20 +35,23 @@ def _fail_with(lines: list[str], what: str) -> None:
         raise DrNotReady(f"{what}:\n{shown}{more}")
 
 
-def configured_scope(cluster, settings, log: Any = logger) -> tuple[list[str] | None, list[str] | None]:
+def configured_scope(cluster, settings, log: Any = logger, estate=None) -> tuple[list[str] | None, list[str] | None]:
     """(endpoints, datasets) of the cluster's ``dr.replicate`` for :func:`~hybridflow.dr.replication.replicate`:
     None where the list is empty (everything served, each endpoint's dataset). A configured endpoint
-    not served yet has nothing to copy: it is logged and left out, not an error."""
+    not served yet has nothing to copy: it is logged and left out, not an error. ``estate`` picks
+    where served endpoints are found (its deploy target; without it, the local model gateway)."""
     from pathlib import Path
 
     from hybridflow.dr.scope import served_endpoints
+    from hybridflow.dr.sources import served_endpoint_names
 
     wanted = cluster.dr.replicate if cluster.dr is not None else None
     if wanted is None:
         return None, None
     endpoints = None
     if wanted.endpoints:
-        served = set(served_endpoints(Path(settings.state_dir) / "serving"))
+        served = set(served_endpoint_names(estate, settings) if estate is not None
+                     else served_endpoints(Path(settings.state_dir) / "serving"))
         endpoints = [e for e in wanted.endpoints if e in served]
         for e in wanted.endpoints:
             if e not in served:
@@ -77,7 +80,7 @@ def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
         if any(m.field.endswith(".cache.conn_id") for m in missing):
             out.append({"cluster": cluster.name, "readiness": [m.to_dict() for m in missing]})
             continue  # its store cannot be opened; the other DR clusters still get their copy
-        endpoints, datasets = configured_scope(cluster, settings, log)
+        endpoints, datasets = configured_scope(cluster, settings, log, estate)
         report = replicate(estate, settings, cluster=cluster.name, endpoints=endpoints, datasets=datasets, log=log)
         trouble += [f"{cluster.name}: {p}" for p in report.all_problems]
         out.append({**report.to_dict(), "readiness": [m.to_dict() for m in missing]})
@@ -101,7 +104,7 @@ def reconciliation_task(*, log: Any = logger) -> dict[str, Any]:
     out, trouble = [], []
     for cluster in clusters:
         dr = dr_cluster(estate, cluster.name)
-        endpoints, datasets = configured_scope(dr, settings, log)  # repaired from what replication copies
+        endpoints, datasets = configured_scope(dr, settings, log, estate)  # repaired from what replication copies
         sources = healthy_sources(estate, settings, cluster=dr.name, endpoints=endpoints, datasets=datasets)
         report = reconcile(open_store(cache_store_spec(dr)), sources, log=log)
         trouble += [f"{dr.name}: {p}" for p in report.unrepaired]
