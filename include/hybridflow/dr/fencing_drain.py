@@ -11,7 +11,7 @@ cluster whose backend does not answer is recorded as such: its gangs could not b
 Serving: on the local target the model gateway's endpoints are moved to model servers on the
 disaster-recovery side, started from the replicated models (:mod:`hybridflow.dr.serving_failover`,
 which also says which cluster hosts serving); an inference pool on ``serving.kubernetes.cluster`` is
-reported and left as it is (:func:`serving_on`).
+served from the DR cluster's pool (``clusters.<dr>.dr.serving``, :mod:`hybridflow.dr.serving_k8s`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,10 @@ def checkpoint_gangs(cluster_name: str, reason: str, estate: Any, state_dir: Any
 
 
 def serving_on(cluster_name: str, estate: Any) -> dict[str, Any]:
-    """Which serving entry, if any, runs on the cluster, and what was done about it."""
+    """Which serving entry, if any, runs on the cluster, when nothing can be moved: a Kubernetes target
+    without ``serving.kubernetes`` (a pool that has one moves, see :mod:`hybridflow.dr.serving_k8s`)."""
     serving = estate.pipeline.serving
     pool = serving.kubernetes
-    if pool is not None and pool.cluster == cluster_name:
-        return {"entry": f"inference pool {pool.namespace} on {cluster_name} ({pool.kind})", "drained": False,
-                "note": "left as it is: the estate has no second inference pool to move its traffic to"}
     where = f"the inference pool is on {pool.cluster}" if pool is not None else (
         "the model gateway serves from this machine (serving.target local), which is no cluster of clusters.yaml")
     return {"entry": None, "drained": False, "note": f"no serving entry on {cluster_name}: {where}"}

@@ -1,4 +1,5 @@
-"""Serving failback of the local deploy target: an endpoint served on the disaster-recovery side
+"""Serving failback of the local deploy target (a Kubernetes target's pool:
+:mod:`hybridflow.dr.serving_k8s_failback`): an endpoint served on the disaster-recovery side
 (:mod:`hybridflow.dr.serving_failover`) goes back to the primary's serving version only through the
 deploy gate.
 
@@ -73,7 +74,14 @@ def _fail_back_endpoint(edir: Path, serving: Any, log: Log) -> dict[str, Any]:
 
 def fail_back(cluster_name: str, estate: Any, state_dir: Any, *, log: Log = None) -> dict[str, Any] | None:
     """Move every endpoint served on the DR side for ``cluster_name`` back through the gate; None
-    when nothing serves there for it. ``moved_back`` False: at least one endpoint stays on DR."""
+    when nothing serves there for it. ``moved_back`` False: at least one endpoint stays on DR. An
+    inference pool of a Kubernetes target: :mod:`hybridflow.dr.serving_k8s_failback`."""
+    from hybridflow.serving import target_name
+
+    if target_name(estate.pipeline.serving) != "local" and estate.pipeline.serving.kubernetes is not None:
+        from hybridflow.dr.serving_k8s_failback import fail_back_pool
+
+        return fail_back_pool(cluster_name, estate, state_dir, log=log)
     where, _ = serving_cluster(estate)
     taken = takeovers(state_dir) if where == cluster_name else {}
     if not taken:

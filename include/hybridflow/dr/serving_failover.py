@@ -1,5 +1,7 @@
-"""Serving failover of the local deploy target: a cluster declared down that hosts serving has each
-endpoint of the model gateway moved to a model server on the disaster-recovery side.
+"""Serving failover: a cluster declared down that hosts serving has each endpoint moved to the
+disaster-recovery side. This module does it for the local deploy target (the model gateway's
+endpoints); an inference pool of a Kubernetes target moves to the DR cluster's own pool
+(:mod:`hybridflow.dr.serving_k8s`).
 
 **Which cluster hosts serving.** On a Kubernetes target (``kubernetes``, ``kserve``) the inference
 pool's ``serving.kubernetes.cluster``. On the local target the model servers behind the gateway stand
@@ -70,8 +72,13 @@ def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> 
     same = [m for m in manifests if str(m.get("version")) == str(version)]
     body = same[0] if same else manifests[0]
     chosen = str(body["version"])
-    source = (f"the active version {chosen}, replicated" if same else
-              f"the newest replicated version {chosen} (the active version {version} is not replicated)")
+    if same:
+        source = f"the active version {chosen}, replicated"
+    elif version is None:
+        source = f"the newest replicated version {chosen} (the version served could not be asked)"
+    else:
+        source = f"the newest replicated version {chosen} (the active version {version} is not replicated)"
+
     bundle = dest / chosen
     try:
         fetch_bundle(store, body, bundle)
@@ -156,7 +163,11 @@ def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = 
 
     serving = estate.pipeline.serving
     if target_name(serving) != "local":
-        return serving_on(cluster_name, estate)
+        if serving.kubernetes is None:
+            return serving_on(cluster_name, estate)
+        from hybridflow.dr.serving_k8s import fail_over_pool
+
+        return fail_over_pool(cluster_name, estate, state_dir, dr_spec=dr_spec)
     where, why = serving_cluster(estate)
     if where != cluster_name:
         return {"entry": None, "drained": False, "rule": why, "note": f"no serving entry on {cluster_name}: {why}"}
@@ -168,7 +179,7 @@ def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = 
                 "note": f"no serving entry on {cluster_name}: no endpoint of the model gateway (serving.target local) "
                         "names a backend; nothing to move"}
     try:
-        dr, spec, scratch = _dr_side(estate, state_dir, dr_spec)
+        dr, spec, scratch = dr_side(estate, state_dir, dr_spec)
     except Exception as exc:  # noqa: BLE001 - the fence stands; the record says why serving did not move
         return {"entry": entry, "drained": False, "rule": why, "endpoints": {},
                 "note": f"serving left as it was: the DR store cannot be opened ({type(exc).__name__}: {exc})"}
@@ -177,7 +188,7 @@ def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = 
             "dr_cluster": dr.name, "endpoints": moved}
 
 
-def _dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:
+def dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:
     """(the DR cluster, its store, where replicas are fetched to: its scratch's ``serving`` folder)."""
     from hybridflow.dr.scope import dr_cluster
     from hybridflow.placement.places import cache_store_spec, scratch_root
