@@ -61,9 +61,6 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
         dr = dr_cluster(estate, params.get("dr_cluster") or None)
     except ReplicationError as exc:
         raise DrillError("dr_cluster", str(exc).split(": ", 1)[-1]) from None
-    if dr.backend != "local":
-        raise DrillError("dr_cluster", f"{dr.name} runs on {dr.backend}: drills take over on the local backend (the "
-                                       "embedded default) only so far; drill a DR cluster with backend: local")
     primary = params.get("primary") or _only_primary(estate)
     try:
         check_down(estate, primary, REASON_PREFIX)
@@ -83,6 +80,10 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
     workers = int(params.get("workers") or 1)
     if workers < 1 or workers > dr.total_gpus:
         raise DrillError("workers", f"{workers}: the DR cluster {dr.name} has {dr.total_gpus} GPUs; use 1..{dr.total_gpus}")
+    if dr.backend == "kubernetes":
+        from hybridflow.dr.drill_takeover import training_pool
+
+        training_pool(dr, workers)  # a gang runs on one node pool: one must hold it
     return Plan(drill=drill, primary=primary, dr=dr, dr_spec=dr_spec, targets=Targets.from_params(params),
                 endpoint=params.get("endpoint") or None, run_key=params.get("run_key") or None, workers=workers,
                 extra_steps=int(params.get("extra_steps") or 20))
@@ -173,7 +174,9 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     store = open_store(plan.dr_spec)
     endpoint = choose_endpoint(store, plan.endpoint)
     _stop_server(report.get("server_pid"))  # an earlier try's server whose task died: never two
-    scratch = scratch_root(plan.dr, settings) / "drills" / plan.drill
+    # A model server of the drill runs on this machine: on Kubernetes scratch_dir is the pods' mount.
+    scratch = (scratch_root(plan.dr, settings) if plan.dr.backend == "local"
+               else settings.home / "scratch" / plan.dr.name) / "drills" / plan.drill
     gang = server = None
     # An earlier try's figures are cleared: only what this try measures is judged.
     parts: dict[str, Any] = {"status": "taking over", "takeover_started_ts": time.time(), "inference": None,
@@ -181,7 +184,8 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     try:
         gang, parts["training"] = start_training(
             estate, settings, plan.dr, plan.dr_spec, report["run_key"], plan.drill,
-            f"t{int(parts['takeover_started_ts'] * 1000)}", workers=plan.workers, extra_steps=plan.extra_steps)
+            f"t{int(parts['takeover_started_ts'] * 1000)}", workers=plan.workers, extra_steps=plan.extra_steps,
+            window_s=plan.targets.training_rto_s * 2)
         update_report(settings.private_root, plan.drill, **parts)
         server, parts["inference"] = start_inference(
             plan.dr_spec, endpoint, scratch,
@@ -238,7 +242,7 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
 
     report = read_report(settings.private_root, plan.drill)
     backend = gang_backend(plan.dr, estate, settings.state_dir)
-    name = gang_name(plan.drill)
+    name = gang_name(plan.drill, plan.dr)
     stopped_gang = backend.cancel(name)
     stopped_server = _stop_server(report.get("server_pid"))
     for _ in range(300):  # the gang's workers commit their last checkpoint, then leave
