@@ -40,9 +40,11 @@ def write_config(base: Path, *, kind: str = "kserve", dr_serving: bool = True, d
     primary["scratch_dir"] = str(base / "scratch-primary")
     dr: dict[str, Any] = {
         "location": "private", "region": "dc-2", "jurisdiction": "eu", "role": "dr", "backend": "local",
-        "dr": {"min_gpus": 1}, "node_pools": [dict(L4)], "prices": {"onprem": 0.5},
+        "dr": {"min_gpus": 1}, "node_pools": [{k: v for k, v in L4.items() if k != "node_labels"}],
+        "prices": {"onprem": 0.5},
         "cache": {"conn_id": "hybridflow_dr_k8s", "bucket": "hf-dr-k8s"}, "scratch_dir": str(base / "scratch-dr")}
     if dr_backend == "kubernetes":
+        dr["node_pools"] = [dict(L4)]
         as_kubernetes(dr, conn_id="k8s_dr", scheduler="volcano")
         dr["scratch_dir"] = str(base / "scratch-dr")
     if dr_serving:

@@ -190,3 +190,91 @@ def test_up_keeps_serving_on_dr_while_the_primary_fails_then_moves_back(estate, 
     assert _dr_isvc(estate) is None
     assert not (estate.state / "serving" / "digits" / "takeover-k8s.json").exists()
     assert _answer(back["primary"]["url"], digits.row)[1]["version"] == "v1"
+
+
+def test_a_local_dr_cluster_moves_nothing_and_says_why(tmp_path, monkeypatch, digits) -> None:
+    sims = dr_k8s.clusters(monkeypatch, tmp_path)
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    try:
+        est = load_estate(dr_k8s.write_config(tmp_path, dr_serving=False, dr_backend="local"), use_cache=False)
+        dr_k8s.replicate(tmp_path / "dr-store", "digits", "v1", digits.bundles["v1"], "digits-mlp")
+        env = SimpleNamespace(estate=est, sims=sims, state=tmp_path / "home" / "state",
+                              spec=StoreSpec(kind="local", root=str(tmp_path / "dr-store")))
+        _serve_on_primary(est, tmp_path, "v1", digits)
+        serving = _down(env)["record"]["drain"]["serving"]
+        assert serving["endpoints"]["digits"]["state"] == "not moved" and not serving["drained"]
+        assert "has backend local" in serving["note"] and "backend: kubernetes DR cluster" in serving["note"]
+        assert PRIMARY in down_clusters(state_path(env.state))
+    finally:
+        sims.close()
+
+
+class _Deployments:
+    """One cluster's Deployments and Services (kind deployment), as the rollout's fake holds them, also
+    listed by label; ``unreachable``: every call fails as a cluster that is gone."""
+
+    def __init__(self) -> None:
+        from tests.unit.test_serving_k8s import _Store
+
+        self.store, self.unreachable = _Store(), False
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            if self.unreachable:
+                raise ConnectionRefusedError(111, "Connection refused")
+            return method(*args, **kwargs)
+        return call
+
+    def list_namespaced_deployment(self, namespace, label_selector, **kw):
+        if self.unreachable:
+            raise ConnectionRefusedError(111, "Connection refused")
+        key, value = label_selector.split("=")
+        items = [self.store.read_namespaced_deployment(name, namespace) for (kind, name), body in
+                 self.store.objects.items() if kind == "Deployment" and body["metadata"]["labels"].get(key) == value]
+        return SimpleNamespace(items=items)
+
+    def delete_namespaced_service(self, name, namespace, **kw):
+        from kubernetes.client.exceptions import ApiException
+
+        if self.store.objects.pop(("Service", name), None) is None:
+            raise ApiException(status=404, reason="NotFound")
+
+
+def test_the_deployment_kind_fails_over_by_readiness_and_back(tmp_path, monkeypatch, digits) -> None:
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+    from hybridflow.serving.k8s import KubernetesTarget
+    from hybridflow.serving.k8s_manifests import Release
+
+    apis = {"k8s_private": _Deployments(), "k8s_dr": _Deployments()}
+    for conn in apis:
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn.upper()}", "kubernetes://")
+    monkeypatch.setattr(KubernetesHook, "apps_v1_client", property(lambda hook: apis[hook.conn_id]))
+    monkeypatch.setattr(KubernetesHook, "core_v1_client", property(lambda hook: apis[hook.conn_id]))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    est = load_estate(dr_k8s.write_config(tmp_path, kind="deployment"), use_cache=False)
+    KubernetesTarget.from_estate(est, "digits", state_dir=tmp_path).rollout.deploy(Release("v1", "fp32", dr_k8s.IMAGE))
+    dr_k8s.replicate(tmp_path / "dr-store", "digits", "v1", digits.bundles["v1"], "digits-mlp")
+    env = SimpleNamespace(estate=est, state=tmp_path / "home" / "state",
+                          spec=StoreSpec(kind="local", root=str(tmp_path / "dr-store")))
+    apis["k8s_private"].unreachable = True
+    moved = _down(env)["record"]["drain"]["serving"]["endpoints"]["digits"]
+    assert moved["state"] == "on dr" and moved["dr"]["deployment"] == "digits"
+    assert moved["dr"]["url"] == f"http://digits.{DR_NS}.svc" and moved["dr"]["prediction"] is None
+    dr_objects = apis["k8s_dr"].store.objects
+    assert dr_objects[("Deployment", "digits")]["spec"]["replicas"] == 1 and ("Service", "digits") in dr_objects
+    assert (tmp_path / "dr-models" / "digits" / "v1" / "fp32").is_dir()
+
+    apis["k8s_private"].unreachable = False
+    apis["k8s_private"].store.broken.add("v1")  # its pods never get ready
+    stayed = serving_stayed(declare_up(PRIMARY, by="ops", estate=est, path=state_path(env.state)))
+    assert len(stayed) == 1 and "is not ready with all traffic on v1" in stayed[0]
+    assert ("Deployment", "digits") in dr_objects
+
+    apis["k8s_private"].store.broken.clear()
+    change = declare_up(PRIMARY, by="ops", estate=est, path=state_path(env.state))
+    back = change.record["serving"]["endpoints"]["digits"]
+    assert back["state"] == "on primary" and "readiness" in back["checked"] and not serving_stayed(change)
+    assert not any(kind in ("Deployment", "Service") for kind, _ in dr_objects)

@@ -336,4 +336,6 @@ def fail_over_pool(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: A
         return {**base, "drained": False, "endpoints": {e: {"state": "not moved", "reason": reason} for e in endpoints},
                 "note": reason}
     moved = {e: _take_over(estate, dr, spec, e, v, scratch, state_dir) for e, v in sorted(endpoints.items())}
-    return {**base, "drained": bool(moved) and all(m["state"] == "on dr" for m in moved.values()), "endpoints": moved}
+    if not moved:
+        return {**base, "drained": False, "endpoints": {}, "note": f"nothing to move: no endpoint in {listed}"}
+    return {**base, "drained": all(m["state"] == "on dr" for m in moved.values()), "endpoints": moved}
