@@ -92,6 +92,7 @@ class Primary:
         self.dr = _Recording(tmp_path / "dr-store")
         self.published = 0
         self.ctrl = None
+        self.refused: list = []  # the timeout of each call refused while unreachable (deployment)
         if kind == "deployment":
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
             from tests.unit.test_serving_k8s import _Store
@@ -151,10 +152,15 @@ class Primary:
             del self.api.read_namespaced_deployment
             return
 
-        def refuse(*_a, **_kw):
+        def refuse(*_a, **kw):
+            self.refused.append(kw.get("_request_timeout"))
             raise MaxRetryError(None, "/apis/apps/v1", NewConnectionError(None, "[Errno 111] Connection refused"))
 
         self.api.read_namespaced_deployment = refuse
+
+    def timeouts(self) -> list:
+        """The timeout of each call to the API server (the Deployment fake: of those it refused)."""
+        return self.refused if self.kind == "deployment" else [t for _, t in self.api.requests]
 
     def replicate(self, **kwargs):
         kwargs.setdefault("runs", [])
@@ -247,6 +253,8 @@ def test_an_unreachable_primary_api_still_replicates_the_models_volume_and_says_
     assert (problem.kind, problem.name, problem.key) == ("model", ENDPOINT, "serving cluster dc-k8s")
     assert "cannot tell which version serves now" in problem.what and "MaxRetryError" in problem.what
     assert report.to_dict()["problems"] == [problem.to_dict()]
+    # Every call was bounded: a primary that does not answer at all cannot hold the pass.
+    assert primary.timeouts() and all(t for t in primary.timeouts())
 
     # Answering again: the next pass adds the version that serves.
     primary.unreachable(False)
