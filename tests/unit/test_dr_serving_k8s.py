@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from tests.support import bundles, dr_k8s
-from tests.support.dr_k8s import DR, DR_NS, PRIMARY, PRIMARY_NS
+from tests.support.dr_k8s import DR, DR_NS, PRIMARY
 from tests.support.serving import INT_DIGITS, http_call, predict_url
 
 from hybridflow.config import load_estate
@@ -278,3 +278,18 @@ def test_the_deployment_kind_fails_over_by_readiness_and_back(tmp_path, monkeypa
     back = change.record["serving"]["endpoints"]["digits"]
     assert back["state"] == "on primary" and "readiness" in back["checked"] and not serving_stayed(change)
     assert not any(kind in ("Deployment", "Service") for kind, _ in dr_objects)
+
+
+def test_start_on_dr_replaces_another_version_and_stop_on_dr_removes_it(estate, digits) -> None:
+    from hybridflow.dr.serving_k8s import start_on_dr, stop_on_dr
+
+    dr_k8s.replicate(estate.base / "dr-store", "digits", "v2", digits.bundles["v2"], "digits-mlp")
+    dr, scratch = estate.estate.clusters[DR], estate.base / "scratch-dr" / "serving"
+    first = start_on_dr(estate.estate, dr, estate.spec, "digits", "v1", scratch)
+    assert first["started"] and _answer(first["url"], digits.row)[1]["version"] == "v1"
+    second = start_on_dr(estate.estate, dr, estate.spec, "digits", "v2", scratch)
+    assert second["started"] and second["version"] == "v2" and second["source"] == "the active version v2, replicated"
+    assert _answer(second["url"], digits.row)[1]["version"] == "v2"
+    assert _dr_isvc(estate)["spec"]["predictor"].get("canaryTrafficPercent") is None
+    assert stop_on_dr(estate.estate, dr, "digits") and _dr_isvc(estate) is None
+    assert not stop_on_dr(estate.estate, dr, "digits")

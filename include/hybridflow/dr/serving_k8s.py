@@ -254,7 +254,13 @@ def served_on_primary(estate: Any) -> dict[str, str | None]:
     does not answer)."""
     from hybridflow.backends.k8s.backend import make_hook
     from hybridflow.serving.k8s_manifests import ENDPOINT_LABEL, TRACK_LABEL, VERSION_LABEL
-    from hybridflow.serving.kserve_manifests import GROUP, PLURAL, SERVING_ANNOTATION, VERSION, predictor_version
+    from hybridflow.serving.kserve_manifests import (
+        GROUP,
+        PLURAL,
+        SERVING_ANNOTATION,
+        VERSION,
+        predictor_version,
+    )
 
     k8s = estate.pipeline.serving.kubernetes
     hook = make_hook(estate.clusters[k8s.cluster].conn_id)
