@@ -308,3 +308,28 @@ def test_readiness_names_a_missing_dr_serving_and_a_floating_serving_image(tmp_p
 def test_a_local_dr_cluster_needs_no_inference_pool(tmp_path: Path) -> None:
     estate = _estate(tmp_path, "kserve")  # dr-west has backend local: it serves through the model gateway
     assert check_readiness(estate.clusters["dr-west"], estate, lookup=lambda _id: None) == []
+
+
+def test_a_version_in_several_variants_is_replicated_as_it_serves(primary, tmp_path):
+    primary.publish("v1", "fp32")
+    primary.publish("v1", "int8")  # published after fp32
+    primary.serve("v1", "fp32")
+
+    report = primary.replicate(keep=3)
+    assert report.all_problems == [] and _models(report) == ["v1"]
+    [manifest] = model_manifests(primary.dr, ENDPOINT)
+    fetch_bundle(primary.dr, manifest, tmp_path / "fetched")
+    # KServe records the variant it serves; the Deployment target does not, so the newest publish goes.
+    assert read_card(tmp_path / "fetched").variant == ("fp32" if primary.kind == "kserve" else "int8")
+
+
+def test_configured_endpoints_are_the_ones_published_on_the_models_volume(primary):
+    from hybridflow.dr.task import configured_scope
+
+    primary.publish("v1")
+    doc = yaml.safe_load((primary.tmp / "config" / "clusters.yaml").read_text())
+    doc["clusters"]["dr-west"]["dr"]["replicate"] = {"endpoints": ["digits", "breast-cancer"]}
+    (primary.tmp / "config" / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    estate = load_estate(primary.tmp / "config", use_cache=False)
+    # breast-cancer was never deployed: nothing of it to copy, left out rather than refused.
+    assert configured_scope(estate.clusters["dr-west"], primary.settings, estate=estate) == (["digits"], None)
