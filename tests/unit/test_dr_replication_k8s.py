@@ -333,3 +333,19 @@ def test_configured_endpoints_are_the_ones_published_on_the_models_volume(primar
     estate = load_estate(primary.tmp / "config", use_cache=False)
     # breast-cancer was never deployed: nothing of it to copy, left out rather than refused.
     assert configured_scope(estate.clusters["dr-west"], primary.settings, estate=estate) == (["digits"], None)
+
+
+def test_a_kserve_target_without_its_inference_pool_is_refused_by_field(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", config, dirs_exist_ok=True)
+    doc = yaml.safe_load((config / "clusters.yaml").read_text())
+    doc["clusters"]["dr-west"] = _dr_cluster()
+    (config / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    pipeline = yaml.safe_load((config / "pipeline.yaml").read_text())
+    pipeline["serving"]["target"] = "kserve"
+    (config / "pipeline.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    estate = load_estate(config, use_cache=False)
+    store = LocalObjectStore(tmp_path / "dr-store")
+    with pytest.raises(ReplicationError, match=r"^serving.kubernetes: not set, but serving.target is kserve"):
+        replicate(estate, Settings(home=tmp_path / "home", config_dir=config), store=store, runs=[])
+    assert list(store.list("")) == []

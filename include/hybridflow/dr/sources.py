@@ -113,7 +113,16 @@ def served_endpoint_names(estate, settings) -> list[str]:
         return served_endpoints(Path(settings.state_dir) / "serving")
     from hybridflow.dr.sources_k8s import published_endpoints
 
-    return published_endpoints(Path(estate.pipeline.serving.kubernetes.models_dir))
+    k8s = estate.pipeline.serving.kubernetes
+    if k8s is None:
+        from hybridflow.dr.scope import ReplicationError
+        from hybridflow.serving import target_name
+
+        raise ReplicationError("serving.kubernetes", f"not set, but serving.target is "
+                                                     f"{target_name(estate.pipeline.serving)}: the served models "
+                                                     "are on its models volume; add serving.kubernetes (cluster, "
+                                                     "node_pool, image, models_claim, models_dir) to pipeline.yaml")
+    return published_endpoints(Path(k8s.models_dir))
 
 
 def endpoint_versions(estate, settings, endpoint: str, problems: list[Problem]) -> list[dict[str, Any]]:
