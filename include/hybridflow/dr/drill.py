@@ -12,10 +12,27 @@ earlier ones did, :mod:`hybridflow.dr.drill_report`):
 2. :func:`take_over` — on the DR cluster, from the DR store only: the critical endpoint served from
    the replicated model and answering, and the critical run resumed from its replicated checkpoint
    and stepping (:mod:`hybridflow.dr.drill_takeover`); both are then stopped.
-3. :func:`fail_back` — nothing of the drill left running on the DR side (its server and gang stopped,
-   found by what the report recorded), and the primary declared up if the drill declared it down.
+3. :func:`fail_back` — nothing of the drill left running on the DR side (its server, its endpoint on
+   the DR inference pool and its gang stopped, found by what the report recorded and by the gang's
+   name), and the primary declared up if the drill declared it down.
 4. :func:`finish` — RTO and RPO against the targets, kept in the report and the ledger
    (:mod:`hybridflow.dr.drill_ledger`); a miss fails, naming the step.
+
+A DR cluster with ``backend: kubernetes``: the resumed run is a gang job on that cluster (its
+training node pool, the queue of the team of the model's project), its pods reading the data and
+writing checkpoints in the DR store; its name derives from the drill, so fail_back deletes it even
+after a task restart. Where the endpoint is served depends on ``serving.target``:
+
+- ``kubernetes`` or ``kserve``: on the DR cluster's inference pool (``clusters.<dr>.dr.serving``,
+  :func:`hybridflow.dr.serving_k8s.start_on_dr`), healthy once its check passed (a prediction at the
+  InferenceService's URL; for kind deployment every replica ready, its Service being in-cluster);
+  the drill removes what it started there. An endpoint the declaration's serving failover moved to
+  that pool already is measured as it stands and moved back by declare_up's failback;
+- ``local``: the model server on this machine, as for a local DR cluster: the model gateway that
+  would route to it runs here, not on the cluster.
+
+RTO is measured the same way on every backend: declared -> inference healthy, declared -> training
+stepping (a checkpoint committed beyond the replicated one).
 """
 
 from __future__ import annotations
@@ -81,9 +98,11 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
     if workers < 1 or workers > dr.total_gpus:
         raise DrillError("workers", f"{workers}: the DR cluster {dr.name} has {dr.total_gpus} GPUs; use 1..{dr.total_gpus}")
     if dr.backend == "kubernetes":
-        from hybridflow.dr.drill_takeover import training_pool
+        from hybridflow.dr.drill_takeover import check_dr_pool, serves_on_dr_pool, training_pool
 
         training_pool(dr, workers)  # a gang runs on one node pool: one must hold it
+        if serves_on_dr_pool(estate, dr):
+            check_dr_pool(estate, dr)
     return Plan(drill=drill, primary=primary, dr=dr, dr_spec=dr_spec, targets=Targets.from_params(params),
                 endpoint=params.get("endpoint") or None, run_key=params.get("run_key") or None, workers=workers,
                 extra_steps=int(params.get("extra_steps") or 20))
@@ -163,7 +182,7 @@ def declare(plan: Plan, estate, settings, *, by: str | None = None) -> dict[str,
 def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     """Step 2: serve and train on the DR cluster from the DR store, check both, stop both."""
     from hybridflow.dr.drill_replicas import choose_endpoint, newest_dataset
-    from hybridflow.dr.drill_takeover import start_inference, start_training, wait_stepping
+    from hybridflow.dr.drill_takeover import start_training, wait_stepping
     from hybridflow.placement.places import scratch_root
     from hybridflow.storage.objectstore import open_store
 
@@ -174,10 +193,10 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     store = open_store(plan.dr_spec)
     endpoint = choose_endpoint(store, plan.endpoint)
     _stop_server(report.get("server_pid"))  # an earlier try's server whose task died: never two
-    # A model server of the drill runs on this machine: on Kubernetes scratch_dir is the pods' mount.
+    # What the drill fetches lands on this machine: on Kubernetes scratch_dir is the pods' mount.
     scratch = (scratch_root(plan.dr, settings) if plan.dr.backend == "local"
                else settings.home / "scratch" / plan.dr.name) / "drills" / plan.drill
-    gang = server = None
+    gang = server = pool = None
     # An earlier try's figures are cleared: only what this try measures is judged.
     parts: dict[str, Any] = {"status": "taking over", "takeover_started_ts": time.time(), "inference": None,
                              "training": None, "dataset": None, "error": None}
@@ -187,9 +206,7 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
             f"t{int(parts['takeover_started_ts'] * 1000)}", workers=plan.workers, extra_steps=plan.extra_steps,
             window_s=plan.targets.training_rto_s * 2)
         update_report(settings.private_root, plan.drill, **parts)
-        server, parts["inference"] = start_inference(
-            plan.dr_spec, endpoint, scratch,
-            lambda pid: update_report(settings.private_root, plan.drill, server_pid=pid))
+        server, pool, parts["inference"] = _serve(plan, estate, settings, endpoint, scratch)
         step, when = wait_stepping(gang, timeout_s=plan.targets.training_rto_s * 2)
         parts["training"].update(stepping_step=step, stepping_ts=when)
         data = newest_dataset(plan.dr_spec, estate.models.get(parts["training"]["model"]).dataset)
@@ -205,12 +222,52 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     finally:
         if server is not None:
             server.server_close()
+        if pool is not None:
+            stopped = _stop_on_pool(plan, estate, pool)
+            if parts.get("inference"):
+                parts["inference"]["stopped"] = stopped
         if gang is not None:
             gang.stop()
             if parts.get("training"):
                 parts["training"]["gang_outcome"] = dict(gang.outcome)
         update_report(settings.private_root, plan.drill, **parts)
     return read_report(settings.private_root, plan.drill)
+
+
+def _serve(plan: Plan, estate, settings, endpoint: str, scratch) -> tuple[Any, str | None, dict[str, Any]]:
+    """(the model server started here or None, the endpoint the drill serves on the DR pool and must
+    stop or None, what was measured). On the DR pool the endpoint is noted in the report before it
+    starts, so fail_back stops it after a task death; one the serving failover of the declaration
+    serves already is measured as it stands and left to the failback of declare_up."""
+    from hybridflow.dr.drill_takeover import serves_on_dr_pool, start_inference, start_inference_on_pool
+
+    if not serves_on_dr_pool(estate, plan.dr):
+        server, measured = start_inference(plan.dr_spec, endpoint, scratch,
+                                           lambda pid: update_report(settings.private_root, plan.drill, server_pid=pid))
+        return server, None, measured
+    ours = not _failover_serves(settings, endpoint)
+    if ours:
+        update_report(settings.private_root, plan.drill, dr_serving={"endpoint": endpoint, "cluster": plan.dr.name})
+    measured = start_inference_on_pool(estate, plan.dr, plan.dr_spec, endpoint, scratch)
+    return None, endpoint if ours else None, {**measured, "served_by": "drill" if ours else "serving failover"}
+
+
+def _failover_serves(settings, endpoint: str) -> bool:
+    from hybridflow.dr.serving_k8s import record_path
+
+    return record_path(settings.state_dir, endpoint).is_file()
+
+
+def _stop_on_pool(plan: Plan, estate, endpoint: str) -> bool | str:
+    """Remove the drill's endpoint from the DR pool: whether it was there, or why it could not be
+    (fail_back tries again)."""
+    from hybridflow.dr.serving_k8s import stop_on_dr
+
+    try:
+        return stop_on_dr(estate, plan.dr, endpoint)
+    except Exception as exc:  # noqa: BLE001 - the takeover's outcome is kept; fail_back retries the stop
+        logger.exception("drill %s: could not remove %s from the DR pool of %s", plan.drill, endpoint, plan.dr.name)
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _stop_server(pid: int | None) -> bool:
@@ -250,16 +307,23 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
             break
         time.sleep(0.1)
     still = [g for g in backend.find_gangs({}) if g == name]
+    serving = report.get("dr_serving") or {}
+    stopped_pool = None  # the endpoint the drill served on the DR pool (a failover's stays: declare_up moves it)
+    if serving.get("endpoint") and not _failover_serves(settings, serving["endpoint"]):
+        stopped_pool = _stop_on_pool(plan, estate, serving["endpoint"])
     up = None
     if report.get("declared_by_drill"):
         up = declare_up(plan.primary, by=by or "dr_drill", estate=estate, path=state_path(settings.state_dir)).to_dict()
     failback = {"primary_up": up, "stopped_gang": stopped_gang, "stopped_server": stopped_server,
-                "dr_still_running": still}
+                "stopped_dr_serving": stopped_pool, "dr_still_running": still}
     # A drill that never declared the primary down keeps no report (nothing was measured).
     out = update_report(settings.private_root, plan.drill, failed_back_ts=time.time(), failback=failback) \
         if report else {"drill": plan.drill, "failback": failback}
     if still:
         raise DrillError("fail_back", f"gang {name} still runs on {plan.dr.name}; clear fail_back to stop it")
+    if isinstance(stopped_pool, str):
+        raise DrillError("fail_back", f"{serving['endpoint']} could not be removed from the inference pool of "
+                                      f"{plan.dr.name} ({stopped_pool}); clear fail_back to try again")
     return out
 
 

@@ -108,6 +108,44 @@ def start_inference(spec: StoreSpec, endpoint: str, scratch: Path, on_started: C
                     "prediction": answer["predictions"][0], "pid": server.proc.pid}
 
 
+def serves_on_dr_pool(estate, dr) -> bool:
+    """Whether a drill serves on the DR cluster's inference pool (``clusters.<dr>.dr.serving``): a
+    kubernetes DR cluster with a Kubernetes deploy target. Otherwise the model server runs on this
+    machine, where the model gateway is (serving.target local)."""
+    from hybridflow.serving import target_name
+
+    return dr.backend == "kubernetes" and target_name(estate.pipeline.serving) in ("kubernetes", "kserve")
+
+
+def check_dr_pool(estate, dr) -> None:
+    """DrillError naming ``clusters.<dr>.dr.serving`` when the drill must serve there and cannot."""
+    from hybridflow.dr.serving_k8s import dr_pool
+    from hybridflow.errors import ConfigError
+    from hybridflow.serving import target_name
+
+    try:
+        dr_pool(dr)
+    except ConfigError as exc:
+        raise DrillError("dr_cluster", f"{dr.name} serves the drill's endpoint on its inference pool (serving.target "
+                                       f"{target_name(estate.pipeline.serving)}): {exc}") from None
+
+
+def start_inference_on_pool(estate, dr, spec: StoreSpec, endpoint: str, scratch: Path) -> dict[str, Any]:
+    """What was measured serving the newest replica of ``endpoint`` on the DR cluster's inference pool
+    (:func:`hybridflow.dr.serving_k8s.start_on_dr`): healthy once its check passed, a prediction
+    answered at the InferenceService's URL (kind kserve) or every replica ready (kind deployment,
+    whose in-cluster Service this machine cannot call)."""
+    from hybridflow.dr.serving_k8s import start_on_dr
+
+    out = start_on_dr(estate, dr, spec, endpoint, None, scratch, log=log)
+    healthy = time.time()  # the check is the last thing start_on_dr does
+    return {"endpoint": endpoint, "model": out.get("model") or endpoint, "version": out["version"],
+            "replicated_at": out.get("replicated_at"), "healthy_ts": healthy, "prediction": out.get("prediction"),
+            "check": "ready" if out.get("prediction") is None else "prediction", "cluster": out["cluster"],
+            "namespace": out["namespace"], "url": out["url"], "kind": out["kind"], "source": out["source"],
+            "started": out["started"]}
+
+
 def seed_checkpoint(spec: StoreSpec, checkpoint: Any, place_name: str) -> StoreSpec:
     """The drill's checkpoint place ``drills/<place_name>/checkpoints`` holding a verified copy of
     ``checkpoint`` (the replicated one)."""
