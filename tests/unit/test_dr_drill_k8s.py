@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
-from tests.support.dr_drill_k8s import KUBERNETES_DR, POOL, dr_simulator
+from tests.support.dr_drill_k8s import KUBERNETES_DR, POOL, SERVING_NS, dr_simulator, serve_on_kubernetes
 from tests.unit.test_dr_drill import RUN, _config, _primary_with_replicas, ledger  # noqa: F401 - ledger: a fixture
 
 from hybridflow.config import load_estate
@@ -32,6 +33,27 @@ def _settings(tmp_path: Path, bucket: str, **changes) -> Settings:
     return Settings(home=tmp_path / "home", config_dir=config)
 
 
+@pytest.fixture(scope="module")
+def primary(tmp_path_factory, rclone_s3):
+    """A critical run trained on the local primary onprem-a, its model served and everything
+    replicated to dr-west's store (an S3 bucket); shared by this module's drills, each of which
+    fails the primary back."""
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.storage.s3 import S3ObjectStore
+
+    base = tmp_path_factory.mktemp("drill-k8s")
+    endpoint, access, secret, _data_dir = rclone_s3
+    bucket = f"hf-drill-k8s-{os.getpid()}-{base.name[-12:]}".lower().replace("_", "-")
+    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    conn = airflow_conn_uri(access, secret, endpoint)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", conn)
+        mp.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{base / 'ledger.db'}")
+        settings = _settings(base, bucket)
+        _primary_with_replicas(settings, load_estate(settings.config_dir, use_cache=False))
+    return SimpleNamespace(base=base, bucket=bucket, settings=settings, conn=conn)
+
+
 def _until(condition, cluster, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -40,19 +62,23 @@ def _until(condition, cluster, seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_drill_on_a_kubernetes_dr_cluster_resumes_training_there_and_fail_back_deletes_its_gang(
-        tmp_path: Path, rclone_s3, monkeypatch) -> None:
-    from hybridflow.devenv.rclone import airflow_conn_uri
-    from hybridflow.storage.s3 import S3ObjectStore
+def _judged(plan, estate, settings, training: dict) -> None:
+    done = drills.finish(plan, estate, settings)
+    figures = done["figures"]
+    assert done["verdict"] == "met" and done["missed"] == [], done
+    assert 0 < figures["inference_rto_s"] <= 60 and 0 < figures["training_rto_s"] <= 120
+    assert figures["training_rto_s"] == pytest.approx(training["stepping_ts"] - done["declared_ts"], abs=0.01)
+    assert figures["rpo_steps_lost"] == 10 and figures["rpo_dataset_age_s"] is not None
 
-    endpoint, access, secret, _data_dir = rclone_s3
-    bucket = f"hf-drill-k8s-{os.getpid()}-{tmp_path.name[-12:]}".lower().replace("_", "-")
-    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
-    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", airflow_conn_uri(access, secret, endpoint))
-    settings = _settings(tmp_path, bucket)
+
+def test_a_drill_on_a_kubernetes_dr_cluster_resumes_training_there_and_fail_back_deletes_its_gang(
+        primary, tmp_path: Path, monkeypatch) -> None:
+    """serving.target local: the endpoint is served by the model server on this machine; the run
+    resumes as a Volcano gang job of dr-west."""
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", primary.conn)
+    settings = primary.settings
     estate = load_estate(settings.config_dir, use_cache=False)
     with dr_simulator(monkeypatch, tmp_path) as dr:
-        _primary_with_replicas(settings, estate)
         plan = drills.make_plan(estate, "drill-k8s", {"extra_steps": 8})
         name = gang_name("drill-k8s", plan.dr)
         drills.declare(plan, estate, settings, by="ops")
@@ -63,19 +89,19 @@ def test_a_drill_on_a_kubernetes_dr_cluster_resumes_training_there_and_fail_back
         assert (training["cluster"], training["backend"], training["node_pool"], training["queue"]) == (
             "dr-west", "kubernetes", "a100", "perception")
         assert training["resumed_step"] == 40 and training["stepping_step"] > 40
-        assert training["checkpoint_place"].startswith(f"s3://{bucket}/drills/drill-k8s/")
+        assert training["checkpoint_place"].startswith(f"s3://{primary.bucket}/drills/drill-k8s/")
         # The gang was a Volcano job of the DR cluster, its pods ran the worker, and the drill deleted it.
         assert f"create vcjob {name}" in dr.sim.calls and f"delete vcjob {name}" in dr.sim.calls
         assert [p for p in dr.kubelet.started if p.startswith(name)] and (NS, name) not in dr.sim.vcjobs
         assert "error" in training["gang_outcome"]  # ended by the drill's delete, not by finishing
         # Nothing of the drill was launched by this machine's local backend (the primary's included).
         assert sorted(p.name for p in (settings.state_dir / "jobs").iterdir()) == [f"train-{RUN}"]
-        assert taken["inference"]["version"] == RUN  # serving.target local: the model server here
+        assert taken["inference"]["version"] == RUN and taken["inference"]["pid"]  # the model server here
+        assert not Path(f"/proc/{taken['inference']['pid']}").exists()
 
         # A retried take_over whose task died with its gang running: fail_back deletes it by name.
         gang, _ = start_training(estate, settings, plan.dr, plan.dr_spec, RUN, "drill-k8s", "t-dead")
-        _until(lambda: dr.sim.pods_of(("vcjob", NS, name)) and any(
-            p["phase"] == "Running" for p in dr.sim.pods_of(("vcjob", NS, name))), dr)
+        _until(lambda: any(p["phase"] == "Running" for p in dr.sim.pods_of(("vcjob", NS, name))), dr)
         again = drills.make_plan(estate, "drill-k8s", {"extra_steps": 8})  # a fresh task: found by name only
         back = drills.fail_back(again, estate, settings, by="ops")
         assert back["failback"]["stopped_gang"] is True and back["failback"]["dr_still_running"] == []
@@ -84,13 +110,33 @@ def test_a_drill_on_a_kubernetes_dr_cluster_resumes_training_there_and_fail_back
         assert not dr.kubelet.procs
         gang.thread.join(30)
         assert not gang.thread.is_alive() and "onprem-a" not in down_clusters(state_path(settings.state_dir))
+    _judged(plan, estate, settings, training)
 
-    done = drills.finish(plan, estate, settings)
-    figures = done["figures"]
-    assert done["verdict"] == "met" and done["missed"] == [], done
-    assert 0 < figures["inference_rto_s"] <= 60 and 0 < figures["training_rto_s"] <= 120
-    assert figures["training_rto_s"] == pytest.approx(training["stepping_ts"] - done["declared_ts"], abs=0.01)
-    assert figures["rpo_steps_lost"] == 10 and figures["rpo_dataset_age_s"] is not None
+
+def test_with_models_on_kserve_the_drill_serves_on_the_dr_clusters_inference_pool(
+        primary, tmp_path: Path, monkeypatch) -> None:
+    """serving.target kserve: the endpoint is an InferenceService of dr-west's dr.serving pool,
+    healthy once it answered a prediction, removed by the drill; the gang keeps off that pool."""
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", primary.conn)
+    config = serve_on_kubernetes(primary.settings.config_dir, tmp_path)
+    settings = Settings(home=primary.settings.home, config_dir=config)
+    estate = load_estate(config, use_cache=False)
+    with dr_simulator(monkeypatch, tmp_path, kserve_models=tmp_path / "dr-models") as dr:
+        plan = drills.make_plan(estate, "drill-kserve", {"extra_steps": 8, "primary": "onprem-a"})
+        drills.declare(plan, estate, settings, by="ops")
+        taken = drills.take_over(plan, estate, settings)
+        assert taken["status"] == "taken over", taken
+        served = taken["inference"]
+        assert (served["cluster"], served["namespace"], served["kind"], served["check"]) == (
+            "dr-west", SERVING_NS, "kserve", "prediction")
+        assert served["version"] == RUN and isinstance(served["prediction"], int) and served["served_by"] == "drill"
+        assert served["stopped"] is True and "pid" not in served
+        with pytest.raises(Exception, match="not found"):  # removed from the DR pool by the drill
+            dr.kserve.get(SERVING_NS, "digits")
+        assert taken["training"]["node_pool"] == "a100"  # not the inference pool
+        back = drills.fail_back(plan, estate, settings, by="ops")
+        assert back["failback"]["stopped_dr_serving"] is False and back["failback"]["dr_still_running"] == []
+    _judged(plan, estate, settings, taken["training"])
 
 
 def test_a_kubernetes_dr_cluster_is_refused_by_name_where_a_drill_cannot_run_there(tmp_path: Path,
