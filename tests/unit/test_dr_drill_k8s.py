@@ -18,7 +18,7 @@ from tests.unit.test_dr_drill import RUN, _config, _primary_with_replicas, ledge
 from hybridflow.config import load_estate
 from hybridflow.dr import drill as drills
 from hybridflow.dr.drill_report import DrillError, read_report
-from hybridflow.dr.drill_takeover import gang_name, start_training, wait_stepping
+from hybridflow.dr.drill_takeover import gang_name, start_training
 from hybridflow.dr.fencing import down_clusters, state_path
 from hybridflow.settings import Settings
 

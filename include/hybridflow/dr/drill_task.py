@@ -21,7 +21,9 @@ DRILL_PARAMS: dict[str, dict[str, Any]] = {
     },
     "dr_cluster": {
         "default": None, "type": ["null", "string"], "title": "DR cluster",
-        "description": "The role: dr cluster that takes over (default: the only one).",
+        "description": "The role: dr cluster that takes over (default: the only one). On backend kubernetes the "
+        "run resumes as a gang job there, and with serving.target kubernetes or kserve the endpoint is served on its "
+        "inference pool (dr.serving); with serving.target local, by a model server on the Airflow worker.",
     },
     "endpoint": {
         "default": None, "type": ["null", "string"], "title": "Critical endpoint",
@@ -33,7 +35,8 @@ DRILL_PARAMS: dict[str, dict[str, Any]] = {
     },
     "workers": {
         "default": 1, "type": "integer", "minimum": 1, "title": "Training workers",
-        "description": "Gang size of the resumed run on the DR cluster (minimum scale: 1).",
+        "description": "Gang size of the resumed run on the DR cluster (minimum scale: 1); on Kubernetes at most "
+        "the GPUs of one of its node pools.",
     },
     "extra_steps": {
         "default": 20, "type": "integer", "minimum": 1, "title": "Steps to train",
