@@ -106,24 +106,8 @@ def probe_rows(bundle: Path) -> list[list[Any]]:
 
 def _isvc_ready(target: Any, version: str) -> Any:
     """The InferenceService's state once ``version``'s revision is ready with all traffic."""
-    from hybridflow.serving.kserve import IsvcState
-
-    deadline = time.monotonic() + target.timeout_s
-    while True:
-        obj = target.api.read()
-        if obj is None:
-            raise DeploymentError(f"InferenceService {target.pool.namespace}/{target.endpoint} is gone while "
-                                  f"waiting for {version} to be ready")
-        state = IsvcState.of(obj)
-        if state.serves_latest() and state.share(state.latest_ready) == 100 and state.url:
-            return state
-        if state.failure and state.observed >= state.generation:
-            raise DeploymentError(f"{version} on the DR side: the InferenceService reports {state.failure}")
-        if time.monotonic() >= deadline:
-            raise DeploymentError(f"{version} on the DR side was not ready within {target.timeout_s:g} s (latest "
-                                  f"created revision {state.latest_created}, latest ready {state.latest_ready}); "
-                                  f"see the revision's pods' events and logs")
-        time.sleep(target.poll_s)
+    return target.wait_for(f"{version} on the DR side ready with all traffic",
+                           lambda s: s.serves_latest() and s.share(s.latest_ready) == 100 and bool(s.url))
 
 
 def _serve_kserve(target: Any, version: str, bundle: Path) -> tuple[str, Any, bool]:

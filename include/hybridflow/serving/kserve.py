@@ -248,7 +248,7 @@ class KServeTarget(DeployTarget[_Revision]):
                       f"(revision {staged.stable_revision}), taking no traffic yet")
         return staged
 
-    def _wait(self, what: str, done: Callable[[IsvcState], bool]) -> IsvcState:
+    def wait_for(self, what: str, done: Callable[[IsvcState], bool]) -> IsvcState:
         """Poll the InferenceService until ``done``; DeploymentError on timeout or a failed revision."""
         deadline = self.clock() + self.timeout_s
         while True:
@@ -274,7 +274,7 @@ class KServeTarget(DeployTarget[_Revision]):
 
         plan, version = staged.plan, staged.version
         staged.step = "readiness"
-        state = self._wait(f"revision of {version} ready", lambda s: s.serves_latest() and
+        state = self.wait_for(f"revision of {version} ready", lambda s: s.serves_latest() and
                            (staged.previous is not None or s.share(s.latest_ready) == 100))
         staged.revision = state.latest_ready
         new_url = state.url_of(staged.revision) or (state.url if staged.previous is None else None)
@@ -317,7 +317,7 @@ class KServeTarget(DeployTarget[_Revision]):
                                                  VARIANT_ANNOTATION: staged.release.variant}}
             staged.promoted = True
         self.api.patch(patch)
-        state = self._wait(f"{percent} % of the traffic on {version}",
+        state = self.wait_for(f"{percent} % of the traffic on {version}",
                            lambda s: s.serves_latest() and s.share(staged.revision) == percent)
         say(self.log, f"{self.endpoint}: traffic {_traffic(state)}")
         if percent >= 100:
@@ -365,7 +365,7 @@ class KServeTarget(DeployTarget[_Revision]):
         failed = (obj.get("spec") or {}).get("predictor")
         self.api.patch(restore(dict(previous.detail.get("predictor") or {}), failed, previous.version or "",
                                previous.detail.get("variant")))
-        state = self._wait(f"the restored revision of {previous.version} taking all traffic",
+        state = self.wait_for(f"the restored revision of {previous.version} taking all traffic",
                            lambda s: s.serves_latest() and s.share(s.latest_ready) == 100)
         staged.outcome["rolled_back"]["revision"] = state.latest_ready
 
