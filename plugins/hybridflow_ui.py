@@ -1,12 +1,13 @@
-"""HybridFlow pages in the Airflow UI: the training runs list, GPU costs & budgets and the resource
-reaper and DR drills (top navigation) and, on every DAG run, *Placement & record* and *Cost & budget*
-tabs. The pages live in :mod:`hybridflow.ui.runs`, :mod:`hybridflow.ui.costs`,
-:mod:`hybridflow.ui.reaper` and :mod:`hybridflow.ui.drills`."""
+"""HybridFlow pages in the Airflow UI: the training runs list, GPU costs & budgets, the resource
+reaper, DR drills and Clusters & DR (top navigation) and, on every DAG run, *Placement & record*
+and *Cost & budget* tabs. The pages live in :mod:`hybridflow.ui.runs`, :mod:`hybridflow.ui.costs`,
+:mod:`hybridflow.ui.reaper`, :mod:`hybridflow.ui.drills` and :mod:`hybridflow.ui.clusters`."""
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from hybridflow.ui.clusters import add_cluster_pages
 from hybridflow.ui.costs import add_cost_pages
 from hybridflow.ui.drills import add_drill_pages
 from hybridflow.ui.reaper import add_reaper_pages
@@ -18,6 +19,7 @@ app = create_app()
 add_cost_pages(app)
 add_reaper_pages(app)
 add_drill_pages(app)
+add_cluster_pages(app)
 
 
 class HybridFlowUIPlugin(AirflowPlugin):
@@ -64,5 +66,12 @@ class HybridFlowUIPlugin(AirflowPlugin):
             "destination": "nav",
             "category": "browse",
             "url_route": "hybridflow-drills",
+        },
+        {
+            "name": "Clusters & DR",
+            "href": f"{URL_PREFIX}/clusters",
+            "destination": "nav",
+            "category": "browse",
+            "url_route": "hybridflow-clusters",
         },
     ]

@@ -296,3 +296,19 @@ def test_a_blank_reason_is_refused_naming_the_field_and_nothing_is_posted(
                   tmp_path=tmp_path)
     assert out["calls"] == []
     assert out["outcomes"][0]["text"].startswith("reason: say why the cluster is declared down")
+
+
+@pytest.mark.airflow
+def test_the_clusters_page_is_in_the_plugin_and_needs_a_signed_in_user():
+    from airflow import plugins_manager
+    from airflow.api_fastapi.app import create_app as create_api_server
+
+    plugins, _ = plugins_manager._get_plugins()
+    ours = next(p for p in plugins if p.name == "hybridflow_ui")
+    views = {v["url_route"]: v for v in ours.external_views}
+    assert views["hybridflow-clusters"] == {"name": "Clusters & DR", "href": "/hybridflow/clusters",
+                                            "destination": "nav", "category": "browse",
+                                            "url_route": "hybridflow-clusters"}
+    api = TestClient(create_api_server(apps="core"))
+    assert api.get("/hybridflow/clusters").status_code == 401
+    assert api.get("/hybridflow/api/clusters").status_code == 401
