@@ -1,6 +1,7 @@
 """The training pipeline through the Airflow 3 UI in a real browser (headless Chromium driven by
 Playwright) on real services (airflow_stack.py): sign in, fill in the trigger form, watch the grid
-go green, clear a task from its page, and open the GPU costs page with its chart.
+go green, clear a task from its page, and open the GPU costs page with its chart; then declare a
+cluster down and up again from the Clusters & DR page (a run of cluster_fence each time).
 
 Screenshots go to <tmp>/screenshots/NN-name.png (printed) and, if HYBRIDFLOW_SCREENSHOTS is set,
 are copied there too. Chromium is Debian's /usr/bin/chromium: Playwright never downloads a browser.
@@ -25,6 +26,17 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 DAG = "hybrid_training"
 NIGHTLY = "gpu_cost_nightly"
 CLEARED = "evaluate"  # cleared from the UI; it and its downstream tasks run again
+FENCE = "cluster_fence"
+FENCED = "onprem-a"
+REASON = "power loss in dc-1 (browser test)"
+# A disaster-recovery pool, so primaries can be declared down; role dr takes no normal placements, and
+# no peacetime priorities, so the training run above is placed exactly as without it.
+DR_CLUSTER = {
+    "location": "private", "role": "dr", "region": "dc-2", "jurisdiction": "eu", "backend": "local",
+    "dr": {"min_gpus": 2},
+    "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 2}],
+    "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
+}
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -48,11 +60,20 @@ pytestmark = [pytest.mark.services, pytest.mark.skipif(_MISSING is not None, rea
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-services")
     config = config_copy(root)
+    _add_dr_cluster(config)
     with AirflowStack(root, config_dir=config) as running:
         print(f"\nservice logs: {running.logs}")
         running.wait_for_dag(DAG)
         running.unpause(DAG)
         yield running
+
+
+def _add_dr_cluster(config: Path) -> None:
+    import yaml
+
+    estate = yaml.safe_load((config / "clusters.yaml").read_text())
+    estate["clusters"]["dr-west"] = DR_CLUSTER
+    (config / "clusters.yaml").write_text(yaml.safe_dump(estate, sort_keys=False))
 
 
 class Shots:
@@ -257,3 +278,101 @@ def _cost_page(stack, page, shot) -> None:
     box = chart.bounding_box()
     assert box and box["width"] > 100 and box["height"] > 50, box
     shot(page, "costs-page")
+
+
+def test_declaring_a_cluster_down_and_up_from_the_clusters_page(stack, page) -> None:
+    shot = page.shots
+    stack.wait_for_dag(FENCE)
+    stack.unpause(FENCE)
+    try:
+        _sign_in(stack, page, shot)
+        _blank_reason_refused(stack, page, shot)
+        down = _declare(stack, page, shot, "down", REASON)
+        assert down["conf"] == {"action": "down", "cluster": FENCED, "reason": REASON}
+        row = _cluster_row(_clusters_page(stack, page))
+        expect(row).to_contain_text("down since")
+        expect(row).to_contain_text("by admin")
+        expect(row).to_contain_text(f"why: {REASON}")
+        expect(row.get_by_role("button", name="Declare up")).to_be_visible()
+        shot(page, "cluster-down")
+        up = _declare(stack, page, shot, "up", None)
+        assert up["conf"] == {"action": "up", "cluster": FENCED, "reason": None}
+        row = _cluster_row(_clusters_page(stack, page))
+        expect(row.locator("td").nth(4)).to_have_text("up")
+        expect(row.get_by_role("button", name="Declare down")).to_be_visible()
+        shot(page, "cluster-up")
+    except Exception:
+        shot(page, "failure", full_page=True)
+        raise
+    finally:
+        _lift_fence(stack)
+
+
+def _clusters_page(stack, page):
+    page.goto(stack.url + "/")
+    page.get_by_role("button", name="Browse").click()
+    page.get_by_role("menuitem", name="Clusters & DR").click()
+    page.wait_for_url(re.compile(r"/plugin/hybridflow-clusters"))
+    frame = page.locator('iframe[src$="/hybridflow/clusters"]').content_frame
+    expect(frame.get_by_role("heading", name="Clusters & DR")).to_be_visible()
+    return frame
+
+
+def _cluster_row(frame):
+    return frame.locator(f'tr:has(form.declare[data-cluster="{FENCED}"])')
+
+
+def _fence_runs(stack) -> int:
+    return stack.api("GET", f"/dags/{FENCE}/dagRuns")["total_entries"]
+
+
+def _blank_reason_refused(stack, page, shot) -> None:
+    row = _cluster_row(_clusters_page(stack, page))
+    reason, declare = row.get_by_role("textbox", name="reason"), row.get_by_role("button", name="Declare down")
+    before = _fence_runs(stack)
+    # Empty: the browser keeps the form from submitting and points at the reason field.
+    declare.click()
+    assert reason.evaluate("e => e.validity.valueMissing && document.activeElement === e")
+    # Only blanks: the page's script refuses, naming the field.
+    reason.fill("   ")
+    declare.click()
+    expect(row.get_by_role("status")).to_contain_text("reason: say why the cluster is declared down")
+    shot(page, "declare-down-refused")
+    page.wait_for_timeout(500)  # a request sent despite the refusal would have created its run by now
+    assert _fence_runs(stack) == before
+
+
+def _declare(stack, page, shot, action: str, reason: str | None) -> dict:
+    """Declare FENCED ``action`` from its row, follow the created run's link into the UI's run page,
+    and return the run once it has succeeded."""
+    row = _cluster_row(_clusters_page(stack, page))
+    if reason is not None:
+        row.get_by_role("textbox", name="reason").fill(reason)
+    row.get_by_role("button", name=f"Declare {action}").click()
+    outcome = row.get_by_role("status")
+    expect(outcome).to_contain_text("triggered run ")
+    shot(page, f"declared-{action}")
+    link = outcome.get_by_role("link")
+    linked = link.inner_text()
+    link.click()
+    page.wait_for_url(re.compile(rf"/dags/{FENCE}/runs/[^/]+$"))
+    run_id = unquote(page.url.rsplit("/runs/", 1)[1])
+    assert run_id == linked
+    expect(outcome).to_be_hidden()  # the UI left the plugin page for the run's
+    assert stack.wait_for_run(FENCE, run_id, timeout=120) == "success", stack.task_log(FENCE, run_id, "fence")
+    expect(page.get_by_test_id("state-badge").first).to_have_text("Success")
+    expect(page.get_by_test_id("table-cell-state")).to_have_text(["Success"])  # the task table refreshes later
+    shot(page, f"fence-run-{action}")
+    run = stack.api("GET", f"/dags/{FENCE}/dagRuns/{run_id}")
+    assert run["triggering_user_name"] == "admin"
+    return run
+
+
+def _lift_fence(stack) -> None:
+    """Leave FENCED up for whatever uses the stack next, whatever the test got to."""
+    from hybridflow.dr.fencing import down_clusters, state_path
+    from hybridflow.settings import Settings
+
+    if FENCED in down_clusters(state_path(Settings(home=stack.home, config_dir=stack.config_dir).state_dir)):
+        run_id = stack.trigger(FENCE, {"action": "up", "cluster": FENCED, "reason": None})
+        assert stack.wait_for_run(FENCE, run_id, timeout=120) == "success"
