@@ -2,11 +2,13 @@
 ``deployment`` or ``kserve``): the bundles deploy published on the models volume are copied to the
 DR store, the version serving now (asked of the primary's API server) always among them, an API
 server that does not answer only reported; and readiness names what a Kubernetes DR cluster lacks to
-serve them in a takeover.
+serve them in a takeover. Critical training running as gang jobs of a Kubernetes primary is found
+through that cluster's API server, and its newest checkpoint copied from the cluster's bucket.
 
 The models volume is a folder holding real bundles put there by ``publish_model``; the primary's API
 is the Deployment fake of ``test_serving_k8s`` (kind deployment) or the simulator with KServe
-attached, its revisions answered in-process (kind kserve). The DR store is a folder."""
+attached, its revisions answered in-process (kind kserve); the training primary's API is the simulator
+and its bucket the session's S3 endpoint. The DR store is a folder."""
 
 from __future__ import annotations
 
@@ -349,3 +351,88 @@ def test_a_kserve_target_without_its_inference_pool_is_refused_by_field(tmp_path
     with pytest.raises(ReplicationError, match=r"^serving.kubernetes: not set, but serving.target is kserve"):
         replicate(estate, Settings(home=tmp_path / "home", config_dir=config), store=store, runs=[])
     assert list(store.list("")) == []
+
+
+def _k8s_training_estate(tmp_path: Path, monkeypatch, bucket: str) -> Estate:
+    """The shipped estate with onprem-a on Kubernetes (Connection k8s_dc1, Volcano), its checkpoints
+    in its cache bucket ``bucket``, and dr-west a local DR cluster."""
+    from tests.unit.test_dr_replication import _estate as dr_estate
+
+    shipped = yaml.safe_load((REPO_ROOT / "config" / "clusters.yaml").read_text())["clusters"]["onprem-a"]
+    primary = as_kubernetes(shipped, conn_id="k8s_dc1", scheduler="volcano",
+                            cache={"conn_id": "k8s_dc1_store", "bucket": bucket})
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_DC1", "kubernetes://")
+    return dr_estate(tmp_path, _dr_cluster(), **{"onprem-a": primary})
+
+
+def test_a_pass_finds_critical_training_running_on_a_kubernetes_cluster(tmp_path: Path, monkeypatch,
+                                                                         rclone_s3) -> None:
+    from tests.support.k8s_sim import SimCluster, install_clusters
+    from tests.unit.test_dr_replication import DATASET, RUN, Home
+
+    from hybridflow.backends import gang_backend
+    from hybridflow.backends.base import GangJob
+    from hybridflow.backends.k8s.manifests import gang_job_name
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.dr.layout import checkpoint_prefix
+    from hybridflow.placement.places import checkpoint_store_spec
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.storage.s3 import S3ObjectStore
+    from hybridflow.training.attempts import ATTEMPTS_FILE, start_attempt
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    endpoint, access, secret, _data = rclone_s3
+    bucket = f"hf-dr-k8s-{os.getpid()}-{tmp_path.name[-12:]}".lower().replace("_", "-")
+    S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_DC1_STORE", airflow_conn_uri(access, secret, endpoint))
+    estate = _k8s_training_estate(tmp_path, monkeypatch, bucket)
+    sim = SimCluster({})
+    install_clusters(monkeypatch, {"k8s_dc1": sim})
+    home = Home(tmp_path)
+    home.write_data("1,0\n2,1")
+    home.pin()  # the critical run's dataset version
+    home.serve(ENDPOINT, "v1", b"weights-1")
+
+    # Both runs train on onprem-a as Volcano gang jobs, each with checkpoints committed in its cache bucket.
+    onprem = estate.clusters["onprem-a"]
+    backend = gang_backend(onprem, estate, home.settings.state_dir)
+    normal = "train-run-normal"
+    steps = {RUN: (10, 20), normal: (5, 30)}
+    for run, priority in ((RUN, "critical"), (normal, "normal")):
+        gang = gang_job_name("train_model", run, "train", onprem.name, readable=f"train-{run}")
+        job = GangJob(name=gang, workers=2, spec={"run_key": run}, labels={"project": "digits-ocr",
+                                                                         "team": "perception", "priority": priority})
+        backend.submit(backend.gang_spec(job, pool="a100", queue=estate.queue_of("perception")))
+        start_attempt(home.settings.private_root / "runs" / run / ATTEMPTS_FILE, 1, "try-1", 2, onprem.name,
+                      gang=gang)
+        place = CheckpointStore(open_store(checkpoint_store_spec(run, onprem, home.settings)))
+        for step in steps[run]:
+            place.save(step, {"model.pt": f"{run}-{step}".encode()})
+    sim.run(2)
+    assert len(backend.find_gangs({})) == 2  # both gangs unfinished on the cluster
+
+    report = replicate(estate, home.settings, store=home.dr)
+    assert report.all_problems == []
+    assert {(s.kind, s.name, s.version, s.status) for s in report.sets if s.kind == "checkpoint"} == {
+        ("checkpoint", RUN, "20", "copied")}
+    assert {s.kind for s in report.sets} == {"checkpoint", "dataset", "model"}
+    # The DR copy is the newest checkpoint, whole: it loads back from the DR store, every shard verified.
+    copied = CheckpointStore(LocalObjectStore(home.dr.root / checkpoint_prefix(RUN)))
+    assert copied.committed_steps() == [20] and copied.load(20).shards == {"model.pt": f"{RUN}-20".encode()}
+    assert not any(i.key.startswith(f"checkpoints/{normal}") for i in home.dr.list("checkpoints/"))
+
+    # The primary's API server does not answer: the cluster is reported by name and no checkpoint goes
+    # (not even the critical run's newer one); what lives elsewhere is still replicated.
+    CheckpointStore(open_store(checkpoint_store_spec(RUN, onprem, home.settings))).save(30, {"model.pt": b"30"})
+    home.write_data("1,0\n2,1\n3,0")
+    version = home.pin()
+    home.serve(ENDPOINT, "v2", b"weights-2")
+    sim.unreachable = True
+    down = replicate(estate, home.settings, store=home.dr)
+    [problem] = down.all_problems
+    assert problem.kind == "cluster" and "cluster onprem-a: cannot list its critical gangs" in problem.what
+    assert "MaxRetryError" in problem.what and sim.requests and all(t for _, t in sim.requests)  # every call bounded
+    assert not any(s.kind == "checkpoint" for s in down.sets)
+    assert {(s.kind, s.name, s.version, s.status) for s in down.sets if s.status == "copied"} == {
+        ("dataset", DATASET, version, "copied"), ("model", ENDPOINT, "v2", "copied")}
+    assert copied.committed_steps() == [20]
