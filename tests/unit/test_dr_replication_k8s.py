@@ -430,7 +430,8 @@ def test_a_pass_finds_critical_training_running_on_a_kubernetes_cluster(tmp_path
     sim.unreachable = True
     down = replicate(estate, home.settings, store=home.dr)
     [problem] = down.all_problems
-    assert problem.kind == "cluster" and "cluster onprem-a: cannot list its critical gangs" in problem.what
+    assert (problem.kind, problem.name) == ("cluster", "onprem-a")  # the cluster at fault, not the DR one
+    assert "cannot list its critical gangs" in problem.what
     assert "MaxRetryError" in problem.what and sim.requests and all(t for _, t in sim.requests)  # every call bounded
     assert not any(s.kind == "checkpoint" for s in down.sets)
     assert {(s.kind, s.name, s.version, s.status) for s in down.sets if s.status == "copied"} == {

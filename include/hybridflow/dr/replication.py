@@ -158,7 +158,7 @@ def replicate(
 
         store = open_store(cache_store_spec(dr))
     report = ReplicationReport(cluster=dr.name, store=store.uri)
-    report.problems += [Problem("cluster", dr.name, "", p) for p in scope.problems] + scope.serving_problems
+    report.problems += [Problem("cluster", name, "", what) for name, what in scope.problems] + scope.serving_problems
     sets = (_dataset_sets(estate, settings, dr, scope, keep, report.problems) + _model_sets(scope, keep)
             + _checkpoint_sets(estate, settings, scope, report.problems))
     for rs in sets:

@@ -75,7 +75,8 @@ class Scope:
     endpoints: list[str]
     datasets: list[str]
     runs: list[CriticalRun]
-    problems: list[str] = field(default_factory=list)  # what could not be looked at (a cluster unreachable)
+    # (cluster, what) of what could not be looked at (a cluster unreachable)
+    problems: list[tuple[str, str]] = field(default_factory=list)
     # endpoint -> its version records, newest first (what serves now first), as the deploy target keeps them
     versions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     serving_problems: list[Any] = field(default_factory=list)  # Problems of the serving target (API unreachable)
@@ -92,13 +93,14 @@ def _running_attempt(private_root: Path, run_key: str) -> dict[str, Any] | None:
     return attempts[-1] if attempts and attempts[-1].get("outcome") == "running" else None
 
 
-def running_critical_runs(estate, settings, dr_name: str, log: Any = logger) -> tuple[list[CriticalRun], list[str]]:
+def running_critical_runs(estate, settings, dr_name: str,
+                          log: Any = logger) -> tuple[list[CriticalRun], list[tuple[str, str]]]:
     """Critical runs with a running gang on a cluster other than ``dr_name``: the gangs labelled
     priority=critical there, matched to the run folder whose running attempt names that gang."""
     from hybridflow.backends import gang_backend
 
     gangs: dict[tuple[str, str], None] = {}
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []
     for cluster in estate.clusters.values():
         if cluster.name == dr_name:
             continue
@@ -106,7 +108,7 @@ def running_critical_runs(estate, settings, dr_name: str, log: Any = logger) -> 
             for name in gang_backend(cluster, estate, settings.state_dir).find_gangs({"priority": "critical"}):
                 gangs[(cluster.name, name)] = None
         except Exception as exc:  # noqa: BLE001 - one unreachable cluster must not stop the others
-            problems.append(f"cluster {cluster.name}: cannot list its critical gangs ({type(exc).__name__}: {exc})")
+            problems.append((cluster.name, f"cannot list its critical gangs ({type(exc).__name__}: {exc})"))
     runs = []
     for folder in sorted((Path(settings.private_root) / "runs").glob("*/")):
         attempt = _running_attempt(settings.private_root, folder.name)
@@ -133,7 +135,7 @@ def scope_of(estate, settings, dr, *, endpoints: Sequence[str] | None = None, da
             raise ReplicationError("datasets", f"{', '.join(unknown)} not in datasets.yaml; use one of: "
                                                f"{', '.join(sorted(estate.datasets.datasets))}")
     chosen = list(served if endpoints is None else endpoints)
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []
     if runs is None:
         found, problems = running_critical_runs(estate, settings, dr.name, log)
     else:
