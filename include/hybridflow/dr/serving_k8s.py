@@ -130,18 +130,9 @@ def _serve_kserve(target: Any, version: str, bundle: Path) -> tuple[str, Any, bo
     published = publish_model(bundle, target.models_dir, endpoint, release)
     say(target.log, f"{endpoint} {version} published on the DR models volume at {published}")
     body = inference_service(target.pool, release, target.server_args, serving_version=version)
-    if current is None:
-        try:
-            target.api.create(body)
-        except Exception as exc:
-            if getattr(exc, "status", None) != 409:
-                raise
-            target.api.patch(body)
-    else:
-        for key in detail.get("predictor") or {}:  # the new predictor spec replaces the old one whole
-            body["spec"]["predictor"].setdefault(key, None)
-        body["spec"]["predictor"]["canaryTrafficPercent"] = None
-        target.api.patch(body)
+    if current is not None:
+        body["spec"]["predictor"]["canaryTrafficPercent"] = None  # all traffic to this version
+    target.api.apply(body, replacing=None if current is None else detail.get("predictor") or {})
     state = _isvc_ready(target, version)
     try:
         answer = predict(state.url, endpoint, rows, version)

@@ -78,6 +78,22 @@ class InferenceServiceApi:
         """A JSON merge patch (the custom objects client's default for a map)."""
         return self.hook.custom_object_client.patch_namespaced_custom_object(name=self.name, body=body, **self._kw())
 
+    def apply(self, body: dict[str, Any], replacing: dict[str, Any] | None = None) -> None:
+        """Create the InferenceService (patched to ``body`` if it exists already, e.g. a rerun), or,
+        with ``replacing`` (the predictor spec in place), patch it so ``body``'s predictor replaces that
+        one whole: keys it does not set go, where a merge patch alone would keep them."""
+        if replacing is None:
+            try:
+                self.create(body)
+                return
+            except Exception as exc:
+                if getattr(exc, "status", None) != 409:
+                    raise
+        else:
+            for key in replacing:
+                body["spec"]["predictor"].setdefault(key, None)
+        self.patch(body)
+
     def delete(self) -> bool:
         try:
             self.hook.custom_object_client.delete_namespaced_custom_object(name=self.name, **self._kw())
@@ -228,22 +244,13 @@ class KServeTarget(DeployTarget[_Revision]):
         release = Release(version=plan.version, variant=plan.card.variant, image=self.image)
         staged = _Revision(plan.version, current, plan=plan, release=release, outcome=self._outcome(plan, current))
         if current is None:
-            body = inference_service(self.pool, release, self.server_args, serving_version=plan.version)
-            try:
-                self.api.create(body)
-            except Exception as exc:
-                if getattr(exc, "status", None) != 409:
-                    raise
-                self.api.patch(body)
+            self.api.apply(inference_service(self.pool, release, self.server_args, serving_version=plan.version))
             say(self.log, f"InferenceService {self.pool.namespace}/{self.endpoint} created for {plan.version}")
             return staged
         staged.stable_revision = current.detail.get("revision")
-        body = inference_service(self.pool, release, self.server_args, canary_percent=0,
-                                 serving_version=current.version)
-        # The new predictor spec replaces the old one whole: keys it does not set go.
-        for key in current.detail.get("predictor") or {}:
-            body["spec"]["predictor"].setdefault(key, None)
-        self.api.patch(body)
+        self.api.apply(inference_service(self.pool, release, self.server_args, canary_percent=0,
+                                         serving_version=current.version),
+                       replacing=current.detail.get("predictor") or {})
         say(self.log, f"{self.endpoint}: new revision for {plan.version} next to {current.version} "
                       f"(revision {staged.stable_revision}), taking no traffic yet")
         return staged
@@ -275,7 +282,7 @@ class KServeTarget(DeployTarget[_Revision]):
         plan, version = staged.plan, staged.version
         staged.step = "readiness"
         state = self.wait_for(f"revision of {version} ready", lambda s: s.serves_latest() and
-                           (staged.previous is not None or s.share(s.latest_ready) == 100))
+                              (staged.previous is not None or s.share(s.latest_ready) == 100))
         staged.revision = state.latest_ready
         new_url = state.url_of(staged.revision) or (state.url if staged.previous is None else None)
         if new_url is None:
@@ -318,7 +325,7 @@ class KServeTarget(DeployTarget[_Revision]):
             staged.promoted = True
         self.api.patch(patch)
         state = self.wait_for(f"{percent} % of the traffic on {version}",
-                           lambda s: s.serves_latest() and s.share(staged.revision) == percent)
+                              lambda s: s.serves_latest() and s.share(staged.revision) == percent)
         say(self.log, f"{self.endpoint}: traffic {_traffic(state)}")
         if percent >= 100:
             staged.step = "check after promotion"
@@ -366,7 +373,7 @@ class KServeTarget(DeployTarget[_Revision]):
         self.api.patch(restore(dict(previous.detail.get("predictor") or {}), failed, previous.version or "",
                                previous.detail.get("variant")))
         state = self.wait_for(f"the restored revision of {previous.version} taking all traffic",
-                           lambda s: s.serves_latest() and s.share(s.latest_ready) == 100)
+                              lambda s: s.serves_latest() and s.share(s.latest_ready) == 100)
         staged.outcome["rolled_back"]["revision"] = state.latest_ready
 
     def retire(self, staged: _Revision) -> None:
