@@ -10,8 +10,10 @@ stamp=.venv/.bootstrap-stamp
 want=$(cat requirements-dev.txt requirements-torch.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
-  # torch first, with pip: it takes the CPU build where one is provided locally; uv would fetch CUDA.
-  .venv/bin/python -m pip install -q --disable-pip-version-check uv -r requirements-torch.txt
+  # torch through uv: PyPI's build (with its CUDA libraries, several GB) is downloaded once into uv's
+  # cache and linked from there into both virtualenvs, never fetched twice.
+  .venv/bin/python -m pip install -q --disable-pip-version-check uv
+  .venv/bin/uv pip install -q --python .venv/bin/python -r requirements-torch.txt
   # requirements-dev.txt: what runs (requirements.txt, the same pins) plus the test and benchmark tools.
   .venv/bin/uv pip install -q --python .venv/bin/python -r requirements-dev.txt
   .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -e .
@@ -26,7 +28,7 @@ serve_stamp=.venv-serve/.bootstrap-stamp
 serve_want=$(cat requirements-serve.txt requirements-torch.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $serve_stamp || $(cat "$serve_stamp") != "$serve_want" ]]; then
   [[ -x .venv-serve/bin/python ]] || "$PY" -m venv .venv-serve
-  .venv-serve/bin/python -m pip install -q --disable-pip-version-check -r requirements-torch.txt
+  .venv/bin/uv pip install -q --python .venv-serve/bin/python -r requirements-torch.txt
   .venv/bin/uv pip install -q --python .venv-serve/bin/python -r requirements-serve.txt
   .venv/bin/uv pip install -q --python .venv-serve/bin/python --no-deps -e .
   echo "$serve_want" > "$serve_stamp"
