@@ -114,10 +114,11 @@ def test_an_endpoint_a_deploy_holds_is_not_touched(tmp_path, servers):
     assert [lo.name for lo in finder.find(NOW)] == ["ranker/v9"]
 
 
-def _obj(name, labels, gpus=0, replicas=None):
+def _obj(name, labels, gpus=0, replicas=None, owners=None):
     container = SimpleNamespace(resources=SimpleNamespace(limits={"nvidia.com/gpu": gpus} if gpus else None))
     return SimpleNamespace(
-        metadata=SimpleNamespace(name=name, labels=labels, creation_timestamp=NOW - timedelta(days=1)),
+        metadata=SimpleNamespace(name=name, labels=labels, creation_timestamp=NOW - timedelta(days=1),
+                                 owner_references=owners),
         spec=SimpleNamespace(replicas=replicas, template=SimpleNamespace(spec=SimpleNamespace(containers=[container]))),
     )
 
@@ -127,21 +128,31 @@ class _NotFound(Exception):
 
 
 class _Hook:
-    def __init__(self, deployments, pods):
-        self.deployments, self.pods, self.deleted = deployments, pods, []
+    """apps/core (and, with ``isvcs``, KServe's custom objects) as the provider's hook hands them out;
+    every call must carry a timeout."""
+
+    def __init__(self, deployments, pods, isvcs=None):
+        self.deployments, self.pods, self.isvcs, self.deleted = deployments, pods, isvcs, []
         self.apps_v1_client = SimpleNamespace(list_namespaced_deployment=self._list_deps,
                                               delete_namespaced_deployment=self._delete)
         self.core_v1_client = SimpleNamespace(list_namespaced_pod=self._list_pods)
+        self.custom_object_client = SimpleNamespace(list_namespaced_custom_object=self._list_isvcs)
 
-    def _list_deps(self, namespace, label_selector):
-        assert label_selector == "hybridflow.io/endpoint"  # the product's label, nothing else
+    def _list_deps(self, namespace, label_selector, _request_timeout):
+        assert label_selector == "hybridflow.io/endpoint" and _request_timeout  # the product's label, bounded
         return SimpleNamespace(items=self.deployments)
 
-    def _list_pods(self, namespace, label_selector):
-        assert label_selector == "hybridflow.io/endpoint"
+    def _list_pods(self, namespace, label_selector, _request_timeout):
+        assert label_selector == "hybridflow.io/endpoint" and _request_timeout
         return SimpleNamespace(items=self.pods)
 
-    def _delete(self, name, namespace):
+    def _list_isvcs(self, group, version, namespace, plural, label_selector, _request_timeout):
+        assert (group, plural, label_selector) == ("serving.kserve.io", "inferenceservices", "hybridflow.io/endpoint")
+        if self.isvcs is None:
+            raise _NotFound()  # KServe is not installed
+        return {"items": self.isvcs}
+
+    def _delete(self, name, namespace, _request_timeout):
         if name not in {d.metadata.name for d in self.deployments}:
             raise _NotFound()
         self.deleted.append((namespace, name))
@@ -173,6 +184,25 @@ def test_kubernetes_deployments_off_both_tracks_and_unused_bundles_go(tmp_path):
     finder.release(found["deployment/digits-blue"])  # already gone
     assert hook.deleted == [("serving", "digits-blue")]
     assert sorted(p.name for p in (models / "digits").iterdir()) == ["v1", "v2", "v3", "v4", "v5"]
+
+
+def test_deployments_another_controller_owns_are_never_touched_and_inference_services_keep_their_versions(
+        tmp_path):
+    """KServe's RawDeployment predictors are Deployments carrying the InferenceService's labels (and
+    no track): they belong to KServe, not to the reaper. The versions an InferenceService serves (its
+    label and the serving-version annotation) keep their bundles."""
+    owner = [SimpleNamespace(kind="InferenceService", name="digits", controller=True)]
+    isvc = {"metadata": {"name": "digits", "labels": {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": "v4"},
+                         "annotations": {"hybridflow.io/serving-version": "v3"}}}
+    hook = _Hook([_obj("digits-predictor", {"hybridflow.io/endpoint": "digits", "hybridflow.io/version": "v4"}, 1, 2,
+                       owners=owner)], [], isvcs=[isvc])
+    models = tmp_path / "models"
+    for version in ("v2", "v3", "v4"):
+        (models / "digits" / version / "fp32").mkdir(parents=True)
+        os.utime(models / "digits" / version, (OLD, OLD))
+    finder = KubernetesServingFinder("private-k8s", hook, "serving", models_dir=models, timeout_s=7)
+    assert [lo.name for lo in finder.find(NOW)] == ["bundle/digits/v2"]
+    assert hook.deleted == []
 
 
 def test_the_estate_s_local_target_is_swept_in_its_state_folder(tmp_path):

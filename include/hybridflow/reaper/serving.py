@@ -8,8 +8,11 @@ whose lock a deploy holds is skipped whole: the version it is staging is not tou
 
 On the kubernetes target (hybridflow.serving.k8s) only objects with the product's labels are looked
 at: a Deployment of an endpoint whose track is neither stable nor canary is deleted, and a version's
-bundle on the models volume that no Deployment or pod of the endpoint runs is removed once it is
-older than the grace period (a deploy publishes the bundle just before it starts the canary).
+bundle on the models volume that no Deployment, pod or InferenceService of the endpoint runs is
+removed once it is older than the grace period (a deploy publishes the bundle just before it starts
+the canary). A Deployment another controller owns (``ownerReferences``: KServe's RawDeployment
+predictors carry the InferenceService's labels) is never touched: its owner manages it. Every call
+is bounded by ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from hybridflow.serving.k8s_manifests import (
     TRACK_LABEL,
     VERSION_LABEL,
 )
+from hybridflow.serving.kserve_manifests import GROUP as KSERVE_GROUP
+from hybridflow.serving.kserve_manifests import PLURAL as KSERVE_PLURAL
+from hybridflow.serving.kserve_manifests import SERVING_ANNOTATION as SERVING_VERSION_ANNOTATION
+from hybridflow.serving.kserve_manifests import VERSION as KSERVE_VERSION
 from hybridflow.serving.processes import alive, is_ours, read_json, terminate
 from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
 
@@ -161,19 +168,39 @@ class KubernetesServingFinder(Finder):
     kind = KIND
 
     def __init__(self, place: str, hook: Any, namespace: str, models_dir: Path | str | None = None,
-                 grace: timedelta = timedelta(hours=24)) -> None:
+                 grace: timedelta = timedelta(hours=24), timeout_s: float = 30.0) -> None:
         self.place, self.hook, self.namespace, self.grace = place, hook, namespace, grace
         self.models_dir = Path(models_dir) if models_dir is not None else None
+        self.timeout_s = timeout_s
+
+    def _inference_services(self) -> list[dict]:
+        """The endpoints' InferenceServices; none where KServe is not installed (its API is a 404)."""
+        try:
+            got = self.hook.custom_object_client.list_namespaced_custom_object(
+                group=KSERVE_GROUP, version=KSERVE_VERSION, namespace=self.namespace, plural=KSERVE_PLURAL,
+                label_selector=ENDPOINT_LABEL, _request_timeout=self.timeout_s)
+        except Exception as exc:
+            if getattr(exc, "status", None) == 404:
+                return []
+            raise
+        return got.get("items", [])
 
     def _listed(self) -> tuple[list, dict[str, set[str]]]:
-        """The endpoints' Deployments, and per endpoint the versions its Deployments and pods run."""
+        """The endpoints' Deployments, and per endpoint the versions its Deployments, pods and
+        InferenceServices run."""
         apps, core = self.hook.apps_v1_client, self.hook.core_v1_client
-        deployments = apps.list_namespaced_deployment(self.namespace, label_selector=ENDPOINT_LABEL).items
-        pods = core.list_namespaced_pod(self.namespace, label_selector=ENDPOINT_LABEL).items
+        kw = {"label_selector": ENDPOINT_LABEL, "_request_timeout": self.timeout_s}
+        deployments = apps.list_namespaced_deployment(self.namespace, **kw).items
+        pods = core.list_namespaced_pod(self.namespace, **kw).items
         in_use: dict[str, set[str]] = {}
         for obj in [*deployments, *pods]:
             labels = obj.metadata.labels or {}
             in_use.setdefault(labels[ENDPOINT_LABEL], set()).add(labels.get(VERSION_LABEL))
+        for isvc in self._inference_services():
+            meta = isvc.get("metadata") or {}
+            versions = in_use.setdefault((meta.get("labels") or {})[ENDPOINT_LABEL], set())
+            versions.add((meta.get("labels") or {}).get(VERSION_LABEL))
+            versions.add((meta.get("annotations") or {}).get(SERVING_VERSION_ANNOTATION))
         return deployments, in_use
 
     def find(self, now: datetime) -> list[Leftover]:
@@ -181,8 +208,8 @@ class KubernetesServingFinder(Finder):
         found = []
         for dep in deployments:
             labels = dep.metadata.labels or {}
-            if labels.get(TRACK_LABEL) in ROUTED_TRACKS:
-                continue
+            if labels.get(TRACK_LABEL) in ROUTED_TRACKS or dep.metadata.owner_references:
+                continue  # routed, or another controller's (KServe's predictor Deployments): not ours to delete
             found.append(Leftover(
                 self.place, self.kind, f"deployment/{dep.metadata.name}", gpus=_gpus(dep, dep.spec.replicas or 0),
                 since=dep.metadata.creation_timestamp,
@@ -216,8 +243,8 @@ class KubernetesServingFinder(Finder):
         """Delete the Deployment (its pods go with it) or remove the bundle's folder."""
         if "deployment" in leftover.detail:
             try:
-                self.hook.apps_v1_client.delete_namespaced_deployment(name=leftover.detail["deployment"],
-                                                                      namespace=self.namespace)
+                self.hook.apps_v1_client.delete_namespaced_deployment(
+                    name=leftover.detail["deployment"], namespace=self.namespace, _request_timeout=self.timeout_s)
             except Exception as exc:
                 if getattr(exc, "status", None) != 404:
                     raise
