@@ -4,6 +4,7 @@
                                allocated and budgets evaluated), print where things are
     hybridflow ui              set up and start Airflow (UI on http://127.0.0.1:8080) on the same setup
     hybridflow dev up|down     start/stop the embedded object stores and deployed endpoints
+    hybridflow dev k8s build|up|down|status   a local Kubernetes control plane (hybridflow dev k8s -h)
     hybridflow seed [DATASET...]
                                write the example datasets (those with a seed function in datasets.yaml)
     hybridflow cache versions|prune --cluster C --dataset D
@@ -167,6 +168,10 @@ def cmd_ui(args) -> int:
 
 
 def cmd_dev(args) -> int:
+    if args.action == "k8s":
+        from hybridflow.devenv.k8s.cli import main as k8s_main
+
+        return k8s_main(args.rest)
     from hybridflow.devenv.stack import DevStack
 
     stack = DevStack.default()
@@ -430,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=cmd_demo)
     ui = sub.add_parser("ui", help="start Airflow (api-server, scheduler, triggerer) on the same setup")
     ui.set_defaults(func=cmd_ui)
-    dev = sub.add_parser("dev", help="start or stop the embedded object stores and endpoints")
-    dev.add_argument("action", choices=["up", "down"])
+    dev = sub.add_parser("dev", help="start or stop the embedded object stores and endpoints; k8s: a local cluster")
+    dev.add_argument("action", choices=["up", "down", "k8s"])
+    dev.add_argument("rest", nargs=argparse.REMAINDER, help="k8s: its action and options (hybridflow dev k8s -h)")
     dev.set_defaults(func=cmd_dev)
     seed = sub.add_parser("seed", help="write the example datasets where the catalogue puts them (idempotent)")
     seed.add_argument("datasets", nargs="*", help="catalogue names (default: every dataset with a seed function)")
