@@ -2,7 +2,7 @@
 
 Nodes have GPU capacity, labels, cordons and taints; pods move Pending -> Running -> Succeeded /
 Failed (or are evicted); Volcano Jobs are admitted all-or-nothing by ``minAvailable`` and follow
-their lifecycle policies (first match by event or exit code; RestartJob up to ``maxRetry``,
+their lifecycle policies (first match by event or exit code; RestartJob while ``retryCount``, raised first, stays below ``maxRetry``,
 TerminateJob / AbortJob keep the pods that already ended); Kueue-managed batch/v1 Jobs stay
 suspended until the whole gang fits, then Kueue unsuspends them and the Job controller keeps
 ``parallelism`` pods, applying the podFailurePolicy to each failed pod (Ignore: recreated, not
@@ -298,8 +298,9 @@ class SimCluster:
             return True
         for pod in pods:
             del self.pods[(ns, pod["name"])]
+        if action == "RestartJob":
+            status["retryCount"] += 1  # as Volcano does: counted first, then checked against maxRetry
         if action == "RestartJob" and status["retryCount"] < job["spec"].get("maxRetry", 3):
-            status["retryCount"] += 1
             status["state"] = {"phase": "Restarting", "reason": event}
         else:
             status["state"] = {"phase": "Failed", "reason": event}

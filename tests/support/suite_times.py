@@ -11,7 +11,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
-PARTS = ("tests/unit", "tests/integration", "tests/dags", "tests/services")
+PARTS = ("tests/unit", "tests/integration", "tests/dags", "tests/services", "tests/k8s_real")
 
 
 def part_of(classname: str) -> str:

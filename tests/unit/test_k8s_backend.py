@@ -172,7 +172,7 @@ def test_volcano_preemptions_restart_the_gang_until_the_budget_is_spent(sim):
             sim.fail_pod(pod, exit_code=75)
 
     clock = Clock(sim, {2: preempt, 6: preempt, 10: preempt})
-    with pytest.raises(PreemptionBudgetSpent, match="restarted 2 times.*training.preemption_retries"):
+    with pytest.raises(PreemptionBudgetSpent, match="preempted 3 times, more than the 2 restarts.*training.preemption_retries"):
         _run(_backend("volcano", max_retry=2), job, clock)
     assert not sim.vcjobs and not sim.secrets  # stopped: it holds nothing
 

@@ -52,7 +52,8 @@ def test_volcano_job_validates_against_the_crd_and_gangs_all_workers():
     assert spec["policies"] == [{"exitCode": 75, "action": "RestartJob"},
                                 {"event": "PodEvicted", "action": "RestartJob"},
                                 {"event": "PodFailed", "action": "TerminateJob"}]
-    assert spec["maxRetry"] == 3 and set(spec["plugins"]) == {"pytorch", "svc", "env"}
+    # Volcano's maxRetry N allows N - 1 restarts: max_retry 3 restarts need 4
+    assert spec["maxRetry"] == 4 and set(spec["plugins"]) == {"pytorch", "svc", "env"}
     assert [(t["name"], t["replicas"]) for t in spec["tasks"]] == [("master", 1), ("worker", 3)]
     pod = spec["tasks"][1]["template"]["spec"]
     assert pod["nodeSelector"] == POOL.node_labels

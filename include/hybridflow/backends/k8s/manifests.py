@@ -206,7 +206,9 @@ def volcano_job(spec: GangSpec) -> dict:
             "minAvailable": spec.workers,
             "queue": spec.queue,
             "priorityClassName": PRIORITY_CLASSES[spec.priority],
-            "maxRetry": spec.max_retry,
+            # Volcano raises retryCount before it checks it against maxRetry, so maxRetry N allows N - 1
+            # restarts: max_retry restarts need max_retry + 1 (seen on Volcano 1.10's job controller).
+            "maxRetry": spec.max_retry + 1,
             "policies": [{"exitCode": PREEMPTED_EXIT, "action": "RestartJob"},
                          {"event": "PodEvicted", "action": "RestartJob"},
                          {"event": "PodFailed", "action": "TerminateJob"}],

@@ -9,8 +9,10 @@ the master and 1 + the task index for a worker (as the pytorch plugin numbers th
 A Kueue eviction (preemption by a higher-priority Workload, a node failure...) leaves no failed pod:
 Kueue suspends the Job, whose controller deletes its pods without counting them as failed, and
 admits it again later. Those restarts are read from the Workload instead
-(``status.schedulingStats.evictions``), and added to the pods' own: the two never see the same
-restart, since the pods a suspension deletes are gone from the API.
+(``status.schedulingStats.evictions``), and added to the pods' own. The two must never see the same
+restart: on a real cluster the pods a suspension deletes stay in the API while they terminate, and
+report Failed with exit 75 once their workers checkpointed, so a pod being deleted is not counted
+here (it is either part of an eviction the Workload counts, or a pod whose job is going away).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def failed_pods(hook: Any, namespace: str, name: str, *, timeout: float) -> list
     ends = []
     for pod in listing.items or []:
         status = pod.status
-        if status is None or status.phase != "Failed":
+        if status is None or status.phase != "Failed" or pod.metadata.deletion_timestamp is not None:
             continue
         disrupted = any(c.type == "DisruptionTarget" and c.status == "True" for c in status.conditions or [])
         ended = next((c.state.terminated for c in status.container_statuses or []

@@ -81,8 +81,8 @@ def volcano_status(obj: Mapping) -> GangStatus:
     message = "; ".join(x for x in (state.get("reason"), state.get("message")) if x)
     retries = int(status.get("retryCount") or 0)
     if state.get("phase") == "Failed":  # RestartJob (preemption, eviction) past maxRetry
-        return GangStatus(FAILED, f"restarted {retries} times, the most its maxRetry "
-                          f"(training.preemption_retries) allows; {message}", retries, BUDGET_SPENT)
+        return GangStatus(FAILED, f"preempted {retries} times, more than the {max(retries - 1, 0)} restarts its "
+                          f"maxRetry (training.preemption_retries) allows; {message}", retries, BUDGET_SPENT)
     return GangStatus(phase, message, retries, APPLICATION if phase == FAILED else "")
 
 
