@@ -12,31 +12,11 @@ import time
 
 import pytest
 from tests.k8s_real.conftest import real_cluster, until
+from tests.support.gang_worker import WORKER
 
 from hybridflow.backends.k8s.backend import SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
 from hybridflow.backends.k8s.manifests import gang_job_name
 from hybridflow.backends.local import GangFailed, GangJob
-
-# A worker: works RUN_S seconds (RESUME_S once it resumed from its checkpoint), then finishes; on
-# SIGTERM it commits its "checkpoint" and exits 75. Rank FAIL_RANK fails at once (exit 3).
-WORKER = """
-import os, pathlib, signal, sys, time
-here, gang, rank = pathlib.Path(os.environ["WORK_DIR"]), os.environ["HYBRIDFLOW_GANG"], os.environ["RANK"]
-ckpt = here / f"{gang}-{rank}.ckpt"
-resumed = ckpt.exists()
-if resumed:
-    (here / f"{gang}-{rank}.resumed").write_text(ckpt.read_text())
-def stop(*_):
-    ckpt.write_text("7")
-    sys.exit(75)
-signal.signal(signal.SIGTERM, stop)
-(here / f"{gang}-{rank}.ready").touch()
-if rank == os.environ.get("FAIL_RANK"):
-    sys.exit(3)
-deadline = time.monotonic() + float(os.environ["RESUME_S" if resumed else "RUN_S"])
-while time.monotonic() < deadline:
-    time.sleep(0.02)
-"""
 
 
 @pytest.fixture

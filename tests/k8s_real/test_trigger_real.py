@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from airflow.jobs.triggerer_job_runner import TriggerRunner
 from tests.k8s_real.conftest import CONN_ID, real_cluster, until
+from tests.support.trigger_runner import stop_while_deferred
 
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.trigger import GangJobTrigger
@@ -40,20 +40,6 @@ def _trigger(real, name: str, scheduler: str) -> GangJobTrigger:
                           submitted_at=time.time(), admission_timeout_s=600, poll_interval=0.2, request_timeout_s=10)
 
 
-async def _stop_while_deferred(trigger: GangJobTrigger, *, user_action: bool) -> None:
-    runner = TriggerRunner()
-    task = asyncio.create_task(runner.run_trigger(1, trigger, None, None))
-    runner.triggers[1] = {"task": task, "name": "gang", "events": 0, "is_watcher": False}
-    await asyncio.sleep(1.0)
-    assert not task.done()  # still waiting for the gang
-    if user_action:
-        runner.to_cancel.append(1)
-        await runner.cancel_triggers()
-    else:
-        task.cancel()  # the triggerer shutting down, or handing the trigger over
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert runner.triggers[1]["events"] == 0
 
 
 def _left(real, name: str, scheduler: str) -> dict:
@@ -74,7 +60,7 @@ def test_a_user_stopping_the_deferred_task_deletes_the_gang_and_the_collector_ta
     _queue(real, scheduler)
     name = _gang(real, scheduler, pool="h100")
     until(lambda: len([p for p in real.pods(name) if p.status.phase == "Running"]) == 4, what="the gang to run")
-    asyncio.run(_stop_while_deferred(_trigger(real, name, scheduler), user_action=True))
+    asyncio.run(stop_while_deferred(_trigger(real, name, scheduler), user_action=True, wait_s=1.0))
     gone = {"jobs": 0, "pods": 0, "owned": 0, "secrets": 0, "services": 0}
     until(lambda: _left(real, name, scheduler) == gone, 60, "the job, its pods, PodGroup/Workload, Secret and Service "
           f"to be gone (left: {_left(real, name, scheduler)})")
@@ -87,7 +73,7 @@ def test_a_triggerer_restart_leaves_the_gang_running_and_the_next_trigger_reatta
     script.write_text("import time\ntime.sleep(4)\n")
     name = _gang(real, scheduler, pool="run", command=(sys.executable, str(script)))
     until(lambda: len([p for p in real.pods(name) if p.status.phase == "Running"]) == 4, 60, "the gang to run")
-    asyncio.run(_stop_while_deferred(_trigger(real, name, scheduler), user_action=False))
+    asyncio.run(stop_while_deferred(_trigger(real, name, scheduler), user_action=False, wait_s=1.0))
     assert _left(real, name, scheduler)["pods"] == 4  # nothing deleted
 
     async def first_event():

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from tests.support.gang_worker import WORKER
 from tests.support.k8s_config import private_h100_cluster
 from tests.support.k8s_kubelet import Kubelet
 from tests.support.k8s_sim import SimCluster, install
@@ -22,26 +23,6 @@ from hybridflow.backends.local import GangFailed, GangJob
 
 NS = "hybridflow"
 
-# A worker: it works for RUN_S seconds (RESUME_S when it resumed from its checkpoint), then
-# finishes; on SIGTERM it commits its "checkpoint" and exits 75. Rank FAIL_RANK fails (exit 3).
-WORKER = """
-import os, pathlib, signal, sys, time
-here, gang, rank = pathlib.Path(os.environ["WORK_DIR"]), os.environ["HYBRIDFLOW_GANG"], os.environ["RANK"]
-ckpt = here / f"{gang}-{rank}.ckpt"
-resumed = ckpt.exists()
-if resumed:
-    (here / f"{gang}-{rank}.resumed").write_text(ckpt.read_text())
-def stop(*_):
-    ckpt.write_text("7")
-    sys.exit(75)
-signal.signal(signal.SIGTERM, stop)
-(here / f"{gang}-{rank}.ready").touch()
-if rank == os.environ.get("FAIL_RANK"):
-    sys.exit(3)  # a bug in the training code
-deadline = time.monotonic() + float(os.environ["RESUME_S" if resumed else "RUN_S"])
-while time.monotonic() < deadline:
-    time.sleep(0.02)
-"""
 
 
 @pytest.fixture(params=["volcano", "kueue"])

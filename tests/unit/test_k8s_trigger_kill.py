@@ -12,10 +12,10 @@ import asyncio
 import time
 
 import pytest
-from airflow.jobs.triggerer_job_runner import TriggerRunner
 from tests.support.k8s_config import private_h100_cluster
 from tests.support.k8s_http import SimApiServer, serve
 from tests.support.k8s_sim import SimCluster
+from tests.support.trigger_runner import stop_while_deferred
 
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.trigger import GangJobTrigger
@@ -56,27 +56,12 @@ def _trigger(name: str, scheduler: str) -> GangJobTrigger:
                           request_timeout_s=2.0)
 
 
-async def _stop_while_deferred(trigger: GangJobTrigger, *, user_action: bool) -> None:
-    """Start the trigger in a TriggerRunner, let it poll, then stop it the way Airflow does."""
-    runner = TriggerRunner()
-    task = asyncio.create_task(runner.run_trigger(1, trigger, None, None))
-    runner.triggers[1] = {"task": task, "name": "gang", "events": 0, "is_watcher": False}
-    await asyncio.sleep(0.3)
-    assert not task.done()  # still waiting for the gang
-    if user_action:
-        runner.to_cancel.append(1)
-        await runner.cancel_triggers()
-    else:
-        task.cancel()  # triggerer shutting down (or handing the trigger over)
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert runner.triggers[1]["events"] == 0
 
 
 @pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
 def test_user_stopping_the_deferred_task_deletes_job_pods_secret_and_service(api, sim, scheduler):
     name = _running_gang(sim, scheduler)
-    asyncio.run(_stop_while_deferred(_trigger(name, scheduler), user_action=True))
+    asyncio.run(stop_while_deferred(_trigger(name, scheduler), user_action=True))
     assert not sim.vcjobs and not sim.jobs and sim.pod_names(name) == []
     assert not sim.secrets and not sim.services and not sim.podgroups and not sim.workloads
     jobs = "/apis/batch.volcano.sh/v1alpha1" if scheduler == "volcano" else "/apis/batch/v1"
@@ -88,7 +73,7 @@ def test_user_stopping_the_deferred_task_deletes_job_pods_secret_and_service(api
 @pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
 def test_triggerer_restart_leaves_the_gang_running(api, sim, scheduler):
     name = _running_gang(sim, scheduler)
-    asyncio.run(_stop_while_deferred(_trigger(name, scheduler), user_action=False))
+    asyncio.run(stop_while_deferred(_trigger(name, scheduler), user_action=False))
     assert len(sim.pod_names(name)) == 4 and (sim.vcjobs or sim.jobs) and sim.secrets
     assert not _deletes(api) and not any(m.startswith("delete_") for m, _ in sim.requests)
     assert any(m in ("get_namespaced_custom_object", "read_namespaced_job") for m, _ in sim.requests)  # it polled
