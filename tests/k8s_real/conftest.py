@@ -2,6 +2,8 @@
 garbage-collection controllers, kube-scheduler, Kueue, Volcano; kwok nodes), built from Go modules
 by :mod:`hybridflow.devenv.k8s.build` and started once per session on 127.0.0.1.
 
+KServe's controller runs too (Standard, i.e. raw Deployment, mode: the plane has no Knative).
+
 The product reaches it as a user's would: an Airflow Connection (``AIRFLOW_CONN_K8S_REAL``) holding
 the kubeconfig, through the provider's KubernetesHook. Each test gets a namespace of its own and
 cluster-scoped objects (queues, flavours) named after it, so tests never see each other's gangs.
@@ -53,8 +55,8 @@ def plane(tmp_path_factory):
                          gpus_per_node=4),
              FakeNode(AGENT_NODE, 8, {"hybridflow.io/pool": "run"}, kwok=False)]
     reuse = os.environ.get("HYBRIDFLOW_K8S_DIR")
-    plane = ControlPlane(reuse or tmp_path_factory.mktemp("k8s"), port=free_port(), addons=("kueue", "volcano"),
-                         log=lambda m: print(f"[k8s] {m}", flush=True))
+    plane = ControlPlane(reuse or tmp_path_factory.mktemp("k8s"), port=free_port(),
+                         addons=("kueue", "volcano", "kserve"), log=lambda m: print(f"[k8s] {m}", flush=True))
     plane.up(nodes)
     try:
         yield plane

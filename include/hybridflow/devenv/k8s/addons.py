@@ -68,7 +68,8 @@ def apply_crds(plane: ControlPlane, addon: str) -> None:
         ext = client.ApiextensionsV1Api(api)
         for file in crd_files(addon):
             for doc in yaml.safe_load_all(file.read_text()):
-                if not doc or doc.get("kind") != "CustomResourceDefinition":
+                # kustomize patches sit beside the CRDs (kserve's llmisvc/): only whole definitions
+                if not doc or doc.get("kind") != "CustomResourceDefinition" or not (doc.get("spec") or {}).get("versions"):
                     continue
                 names.append(doc["metadata"]["name"])
                 try:
