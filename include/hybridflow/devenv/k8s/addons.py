@@ -78,7 +78,9 @@ def apply_crds(plane: ControlPlane, addon: str) -> None:
                     if exc.status != 409:
                         raise ControlPlaneError(f"the {addon} CRD {doc['metadata']['name']} from {file} was "
                                                 f"refused: {exc.status} {exc.reason}: {exc.body[:500]}") from exc
-        deadline = time.monotonic() + 60
+        from hybridflow.devenv.k8s.controlplane import ready_timeout_s
+
+        deadline = time.monotonic() + ready_timeout_s()
         pending = set(names)
         while pending:
             for name in list(pending):
@@ -86,7 +88,9 @@ def apply_crds(plane: ControlPlane, addon: str) -> None:
                 if any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or [])):
                     pending.discard(name)
             if pending and time.monotonic() > deadline:
-                raise ControlPlaneError(f"{addon} CRDs not established within 60 s: {sorted(pending)}")
+                raise ControlPlaneError(f"{addon} CRDs not established within {ready_timeout_s():.0f} s: "
+                                        f"{sorted(pending)}; a loaded machine may need more: set "
+                                        "HYBRIDFLOW_K8S_READY_TIMEOUT_S")
             time.sleep(0.2)
     plane.log(f"{addon}: {len(names)} CRDs established")
 

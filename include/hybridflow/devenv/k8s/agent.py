@@ -190,9 +190,9 @@ class NodeAgent:
             grace = pod.metadata.deletion_grace_period_seconds
             grace = 30 if grace is None else grace
             run.stop_deadline = time.monotonic() + grace
-            os.killpg(run.proc.pid, signal.SIGTERM) if grace else os.killpg(run.proc.pid, signal.SIGKILL)
+            _signal(run.proc, signal.SIGTERM if grace else signal.SIGKILL)
         elif time.monotonic() > run.stop_deadline:
-            os.killpg(run.proc.pid, signal.SIGKILL)
+            _signal(run.proc, signal.SIGKILL)
             run.proc.wait(timeout=30)
             self._finish(key, run)
             self._delete_now(pod)
@@ -239,6 +239,14 @@ class NodeAgent:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the container's process group (the worker and anything it started)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # it has just exited: the next pass reports it
 
 
 def _gang(pod) -> str:
