@@ -27,7 +27,12 @@ RUNS = {
     "failed": ("failed", "failed"),
     "success": ("success", "success"),
 }
-ENDED_AT = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=3)
+
+
+def _ended_at() -> datetime:
+    """Three hours before now, taken when the test starts (not when the module is collected, which
+    may be minutes earlier in a full run: the gangs' GPU-hours are measured against it)."""
+    return datetime.now(UTC).replace(microsecond=0) - timedelta(hours=3)
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +46,20 @@ class GangsOfRuns(Finder):
 
     place = "onprem-a"
 
-    def __init__(self) -> None:
+    def __init__(self, ended_at: datetime) -> None:
         self.released: list[str] = []
+        self.ended_at = ended_at
 
     def find(self, now):
         return [Leftover(self.place, "local-gang", f"train-{run}", owner=Owner("hybrid_training", f"reaper_{run}",
                                                                                "train", 1), gpus=2,
-                         since=ENDED_AT - timedelta(hours=1)) for run in [*RUNS, "gone"]]
+                         since=self.ended_at - timedelta(hours=1)) for run in [*RUNS, "gone"]]
 
     def release(self, leftover):
         self.released.append(leftover.name)
 
 
-def _make_runs() -> None:
+def _make_runs(ended_at: datetime) -> None:
     """hybrid_training's DAG runs in every state, its train task in the state RUNS gives."""
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
@@ -71,11 +77,11 @@ def _make_runs() -> None:
         for i, (run, (run_state, task_state)) in enumerate(RUNS.items()):
             run_id = f"reaper_{run}"
             session.query(DagRun).filter(DagRun.dag_id == "hybrid_training", DagRun.run_id == run_id).delete()
-            when = ENDED_AT - timedelta(days=i + 1)
+            when = ended_at - timedelta(days=i + 1)
             dr = dag.create_dagrun(run_id=run_id, logical_date=when, data_interval=(when, when), run_after=when,
                                    run_type=DagRunType.MANUAL, triggered_by=DagRunTriggeredByType.TEST,
                                    state=run_state, session=session)
-            dr.end_date = ENDED_AT if run_state in ("success", "failed") else None
+            dr.end_date = ended_at if run_state in ("success", "failed") else None
             dr.get_task_instance("train", session=session).state = task_state
 
 
@@ -92,9 +98,10 @@ def test_only_gangs_of_ended_runs_are_released_and_recorded(airflow_db, tmp_path
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(broken_copy(tmp_path, "pipeline.yaml", releasing)))
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.db'}")
-    gangs = GangsOfRuns()
+    ended_at = _ended_at()
+    gangs = GangsOfRuns(ended_at)
     monkeypatch.setattr(finders, "finders_for", lambda *args, **kw: [gangs])
-    _make_runs()
+    _make_runs(ended_at)
     dag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "resource_reaper.py")).get_dag("resource_reaper")
     dag_run = dag.test()
     assert {ti.task_id: ti.state for ti in dag_run.get_task_instances()} == {"sweep": "success", "record": "success"}
