@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 from tests.k8s_real.conftest import real_cluster, until
+from tests.support.reaper_states import RunStates, train_owner
 
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import env_secret, gang_job_name
@@ -16,30 +17,17 @@ from hybridflow.backends.local import GangJob
 from hybridflow.reaper.k8s import KubernetesGangFinder
 from hybridflow.reaper.liveness import ALIVE, ENDED
 from hybridflow.reaper.owners import owner_annotations
-from hybridflow.reaper.states import Judgement
 from hybridflow.reaper.sweep import sweep
 from hybridflow.runs import RunIdentity
 
 DONE, LIVE, GONE = "scheduled__2026-03-01T10:00:00+00:00", "manual__2026-03-01T11:00:00+00:00", "manual__gone"
 
 
-class RunStates:
-    def __init__(self, verdicts):
-        self.verdicts = verdicts
-
-    def judge(self, owner):
-        return Judgement(self.verdicts[owner.run_id], None, owner.run_id)
-
-
-def _owner(run_id):
-    return {"dag_id": "hybrid_training", "run_id": run_id, "task_id": "train", "try_number": "1"}
-
-
 def _submit(backend, run_id: str) -> str:
     run_key = RunIdentity("hybrid_training", run_id).run_key
     name = gang_job_name("hybrid_training", run_id, "train", "k8s-real", readable=f"train-{run_key}")
     job = GangJob(name=name, workers=2, spec={"run_key": run_key}, env={"AWS_SECRET_ACCESS_KEY": "xxxxxx"},
-                  labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=_owner(run_id))
+                  labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=train_owner(run_id))
     backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
     return name
 
@@ -57,7 +45,7 @@ def test_gangs_of_ended_tasks_are_deleted_with_their_pods_and_live_ones_kept(rea
           what="both gangs to run")
     core = real.core()
     secret = env_secret("train-gone-env", real.ns, {"K": "v"}, "train-gone")  # its job was deleted by hand
-    secret["metadata"]["annotations"] = owner_annotations(_owner(GONE))
+    secret["metadata"]["annotations"] = owner_annotations(train_owner(GONE))
     core.create_namespaced_secret(real.ns, secret)
     core.create_namespaced_secret(real.ns, env_secret("unowned-env", real.ns, {"K": "v"}, "unowned"))
     core.create_namespaced_secret(real.ns, {"metadata": {"name": "not-ours"}, "stringData": {"K": "v"}})

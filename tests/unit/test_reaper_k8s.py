@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import pytest
 from tests.support import k8s_sim_api
 from tests.support.k8s_sim import SimCluster, install
+from tests.support.reaper_states import RunStates, train_owner
 from tests.unit.test_k8s_backend import _cluster
 
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
@@ -18,7 +19,6 @@ from hybridflow.backends.local import GangJob
 from hybridflow.reaper.k8s import KubernetesGangFinder
 from hybridflow.reaper.liveness import ALIVE, ENDED
 from hybridflow.reaper.owners import owner_annotations
-from hybridflow.reaper.states import Judgement
 from hybridflow.reaper.sweep import sweep
 from hybridflow.runs import RunIdentity
 
@@ -50,23 +50,11 @@ def sim(monkeypatch):
     return sim
 
 
-class RunStates:
-    def __init__(self, verdicts):
-        self.verdicts = verdicts
-
-    def judge(self, owner):
-        return Judgement(self.verdicts[owner.run_id], None, owner.run_id)
-
-
-def _owner(run_id):
-    return {"dag_id": "hybrid_training", "run_id": run_id, "task_id": "train", "try_number": "1"}
-
-
 def _submit(sim, backend, run_id: str) -> str:
     run_key = RunIdentity("hybrid_training", run_id).run_key
     name = gang_job_name("hybrid_training", run_id, "train", "cloud-east", readable=f"train-{run_key}")
     job = GangJob(name=name, workers=2, spec={"run_key": run_key}, env={"AWS_SECRET_ACCESS_KEY": "x"},
-                  labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=_owner(run_id))
+                  labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=train_owner(run_id))
     backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
     store = sim.vcjobs if backend.scheduler == "volcano" else sim.jobs
     for obj in (store[(NS, name)], sim.secrets[(NS, f"{name}-env")]):  # as the backend annotates them
@@ -83,7 +71,7 @@ def test_gangs_of_ended_tasks_are_deleted_and_live_ones_kept(sim, scheduler):
     sim.run(3)
     core = backend.hook.core_v1_client
     secret = env_secret("train-gone-env", NS, {"K": "v"}, "train-gone")  # its job was deleted by hand
-    secret["metadata"]["annotations"] = owner_annotations(_owner("manual__gone"))
+    secret["metadata"]["annotations"] = owner_annotations(train_owner("manual__gone"))
     core.create_namespaced_secret(namespace=NS, body=secret)
     core.create_namespaced_secret(namespace=NS, body=env_secret("unowned-env", NS, {"K": "v"}, "unowned"))
     core.create_namespaced_secret(namespace=NS, body={"metadata": {"name": "not-ours"}, "stringData": {}})
