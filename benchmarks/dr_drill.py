@@ -79,8 +79,8 @@ def _primary(settings: Settings, estate, steps: int, every: int) -> dict:
     from tests.support.jobs import seed_example
 
     from hybridflow.bundle import ModelCard, write_bundle
-    from hybridflow.dr.replication import replicate
-    from hybridflow.dr.scope import CriticalRun
+    from hybridflow.dr.replication.replicate import replicate
+    from hybridflow.dr.replication.scope import CriticalRun
     from hybridflow.placement.places import checkpoint_store_spec
     from hybridflow.training.context import FINAL_MODEL_KEY
 
@@ -124,8 +124,8 @@ def _corrupt_sources(settings: Settings, estate) -> dict:
     """A byte flipped in a shard of the primary's newest checkpoint, in both of the run's checkpoint
     places (no healthy copy is left), and of the one before it (replicated already) in the first
     place; then a replication pass: what it reports and copies."""
-    from hybridflow.dr.replication import replicate
-    from hybridflow.dr.scope import CriticalRun
+    from hybridflow.dr.replication.replicate import replicate
+    from hybridflow.dr.replication.scope import CriticalRun
     from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
 
     primary = estate.clusters["onprem-a"]
@@ -141,8 +141,8 @@ def _corrupt_sources(settings: Settings, estate) -> dict:
 
 
 def _drill(settings: Settings, estate, root: Path, extra_steps: int, workers: int) -> dict:
-    from hybridflow.dr import drill as drills
-    from hybridflow.dr.drill_report import DrillMissed
+    from hybridflow.dr.drills import drill as drills
+    from hybridflow.dr.drills.report import DrillMissed
 
     plan = drills.make_plan(estate, "bench-1", {"extra_steps": extra_steps, "workers": workers})
     drills.declare(plan, estate, settings, by="benchmark")

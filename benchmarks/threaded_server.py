@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from hybridflow.registry import EntrypointError
+    from hybridflow.config.registry import EntrypointError
 
     torch.set_num_threads(1)  # many small requests on few cores: intra-op threads only add contention
     try:

@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.reference:
 
 from tests.reference import PRICE_TABLE, TRACE_DIR  # noqa: E402
 
-from hybridflow.admission import AdmittedRun  # noqa: E402
 from hybridflow.backends.base import ClusterLoad  # noqa: E402
 from hybridflow.config import Estate, load_estate  # noqa: E402
 from hybridflow.errors import PlacementError  # noqa: E402
 from hybridflow.ledger.queue_waits import QueueWait  # noqa: E402
 from hybridflow.placement import choose_cluster  # noqa: E402
+from hybridflow.request import AdmittedRun  # noqa: E402
 from hybridflow.waits import estimate_waits, parse_duration  # noqa: E402
 
 DEFAULT_PODS = TRACE_DIR / "openb_pod_list_default.csv"

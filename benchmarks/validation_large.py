@@ -184,7 +184,7 @@ def pipeline_step(path: Path, suite: dict, work: Path):
     import logging
     import os
 
-    from hybridflow.catalogue import DatasetEntry
+    from hybridflow.config.catalogue import DatasetEntry
     from hybridflow.rundata import validate
 
     folder = work / "private" / "datasets" / "large-table"

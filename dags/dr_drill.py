@@ -15,7 +15,8 @@ Quarterly (or from the trigger form), proves the disaster-recovery cluster can t
    that missed its target.
 
 The report is kept in private storage (`drills/<run>.json`) and shown on the *DR drills* page.
-A primary already down for a real outage is refused. Every step is safe to clear and re-run.
+A primary already down for a real outage is refused. Every step is safe to clear and re-run. Its
+`access_control` grants the trigger to the **DR operator** role, as for `cluster_fence`.
 Details: docs/disaster-recovery.md.
 """
 
@@ -25,7 +26,8 @@ from datetime import timedelta
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from hybridflow.dr.drill_task import DRILL_PARAMS
+from hybridflow.dr.drills.task import DRILL_PARAMS
+from hybridflow.dr.fencing.task import DR_ACCESS_CONTROL
 
 default_args = {"owner": "ml-platform", "retries": 0, "retry_delay": timedelta(seconds=30)}
 
@@ -43,33 +45,34 @@ def _run() -> tuple[str, str | None]:
     default_args=default_args,
     tags=["dr"],
     doc_md=__doc__,
+    access_control=DR_ACCESS_CONTROL,
     params={name: Param(**spec) for name, spec in DRILL_PARAMS.items()},
 )
 def dr_drill():
     @task(execution_timeout=timedelta(minutes=15))
     def declare_down(params=None) -> dict:
-        from hybridflow.dr.drill_task import declare_task
+        from hybridflow.dr.drills.task import declare_task
 
         run_id, by = _run()
         return {"drill": declare_task(params, run_id, by=by)["drill"]}
 
     @task(execution_timeout=timedelta(minutes=30))
     def take_over(params=None) -> dict:
-        from hybridflow.dr.drill_task import take_over_task
+        from hybridflow.dr.drills.task import take_over_task
 
         report = take_over_task(params, _run()[0])
         return {"drill": report["drill"], "status": report.get("status")}
 
     @task(execution_timeout=timedelta(minutes=15), trigger_rule="all_done")
     def fail_back(params=None) -> dict:
-        from hybridflow.dr.drill_task import fail_back_task
+        from hybridflow.dr.drills.task import fail_back_task
 
         run_id, by = _run()
         return {"drill": fail_back_task(params, run_id, by=by)["drill"]}
 
     @task(execution_timeout=timedelta(minutes=5), trigger_rule="all_done")
     def judge(params=None) -> dict:
-        from hybridflow.dr.drill_task import judge_task
+        from hybridflow.dr.drills.task import judge_task
 
         report = judge_task(params, _run()[0])
         return {"drill": report["drill"], "figures": report["figures"], "verdict": report["verdict"]}

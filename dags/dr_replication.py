@@ -36,7 +36,7 @@ default_args = {"owner": "ml-platform", "retries": 1, "retry_delay": timedelta(m
 def dr_replication():
     @task(execution_timeout=timedelta(minutes=50))
     def replicate() -> dict:
-        from hybridflow.dr.task import replication_task
+        from hybridflow.dr.replication.task import replication_task
 
         return replication_task()
 
@@ -65,7 +65,7 @@ Drift with no healthy source fails the task, naming each object. Safe to clear a
 def dr_reconciliation():
     @task(execution_timeout=timedelta(hours=6))
     def reconcile() -> dict:
-        from hybridflow.dr.task import reconciliation_task
+        from hybridflow.dr.replication.task import reconciliation_task
 
         return reconciliation_task()
 

@@ -29,6 +29,79 @@ def test_the_dependency_map_in_the_doc_is_the_code_s():
     )
 
 
+def _a_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of units (its path, first unit repeated at the end), or None."""
+    done: set[str] = set()
+
+    def visit(unit: str, path: list[str]) -> list[str] | None:
+        if unit in path:
+            return path[path.index(unit):] + [unit]
+        if unit in done:
+            return None
+        for dep in sorted(edges.get(unit, ())):
+            found = visit(dep, [*path, unit])
+            if found:
+                return found
+        done.add(unit)
+        return None
+
+    return next((c for u in sorted(edges) if (c := visit(u, []))), None)
+
+
+def test_the_dependency_map_has_no_cycle():
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    cycle = _a_cycle(dependency_map())
+    assert cycle is None, ("units import each other in a circle: " + " -> ".join(cycle) + "; move what the "
+                           "lower unit needs down to it (docs/architecture.md, Dependency map)")
+
+
+def test_the_kubernetes_trigger_only_waits():
+    """The gang's trigger reads the gang's status through the cluster's Connection and yields one
+    event: it never loads the estate, places, or writes the run's files (the operator does)."""
+    trigger = PACKAGE / "backends" / "k8s" / "trigger.py"
+    ours = {m for m in imported_modules(trigger) if m.startswith("hybridflow.")}
+    allowed = ("hybridflow.backends.", "hybridflow.hooks.")
+    outside = sorted(m for m in ours if not m.startswith(allowed) and m != "hybridflow.errors")
+    assert not outside, f"backends/k8s/trigger.py imports {outside}"
+
+
+# Modules outside backends/ that still reach into one backend's own modules, and what they take.
+# The gang backend contract (backends.base) is to replace each; the list may only shrink.
+BACKEND_INTERNALS_STILL_USED = {
+    "conncheck.py": {"hybridflow.backends.k8s.load", "hybridflow.backends.k8s.manifests"},
+    "dr/drills/takeover.py": {"hybridflow.backends.k8s.manifests"},
+    "nodehealth.py": {"hybridflow.backends.k8s.manifests"},
+    "operators/train.py": {"hybridflow.backends.k8s.manifests", "hybridflow.backends.k8s.trigger"},
+    "reaper/k8s.py": {"hybridflow.backends.k8s.backend", "hybridflow.backends.k8s.manifests"},
+    "reaper/local.py": {"hybridflow.backends.local"},
+}
+
+
+def test_no_new_module_reaches_into_a_backend_s_internals():
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if unit_of(path) == "backends":
+            continue
+        taken = {m for m in imported_modules(path) if m.startswith(("hybridflow.backends.k8s", "hybridflow.backends.local"))}
+        if taken:
+            found[str(path.relative_to(PACKAGE))] = taken
+    new = {f: sorted(m - BACKEND_INTERNALS_STILL_USED.get(f, set())) for f, m in found.items()}
+    assert not {f: m for f, m in new.items() if m}, (
+        f"use the gang backend contract (backends.base, backends.errors, backends.gang_backend) instead: {new}")
+    gone = {f: sorted(m - found.get(f, set())) for f, m in BACKEND_INTERNALS_STILL_USED.items()}
+    assert not {f: m for f, m in gone.items() if m}, f"no longer used, drop from the list: {gone}"
+
+
+def test_placement_is_asked_only_through_its_entry():
+    """Where a run goes is decided in one place (placement.decide): no module outside placement
+    runs the rules or reads the loads they decide on."""
+    inner = ("hybridflow.placement.rules", "hybridflow.placement.loads")
+    offenders = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+                 if unit_of(p) != "placement" and set(inner) & imported_modules(p)]
+    assert not offenders, f"these place a run without placement.decide: {offenders}"
+
+
 def test_the_foundation_storage_and_validation_import_only_what_is_below_them():
     edges = dependency_map()
     for unit in FOUNDATION:

@@ -13,118 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from hybridflow.budgets.enforce import refuse_if_frozen
-from hybridflow.catalogue import CLASSIFICATIONS, rank
 from hybridflow.config import Estate
+from hybridflow.config.catalogue import CLASSIFICATIONS, rank
 from hybridflow.errors import AdmissionError
-from hybridflow.gpumem import SHARDINGS, Optimizer, Precision, Sharding, estimate
+from hybridflow.gpumem import SHARDINGS, estimate_for
 from hybridflow.params import PARAM_DEFAULTS
+from hybridflow.request import AdmittedRun, RunRequest
 
-__all__ = ["PARAM_DEFAULTS", "AdmittedRun", "RunRequest", "admit"]
-
-Classification = Literal["public", "internal", "restricted"]
-Priority = Literal["critical", "normal", "batch"]
-ClusterPreference = Literal["auto", "private", "public"]
-PlacementStrategy = Literal["local_first", "elastic_first"]
-Compression = Literal["int8", "fp16", "best"]
-
-
-class RunRequest(BaseModel):
-    """The trigger Params of one training run (defaults equal ``PARAM_DEFAULTS``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str | None = Field(default=None, min_length=1)  # None: pipeline.yaml defaults.model
-    dataset: str | None = Field(default=None, min_length=1)  # None: the model's dataset
-    project: str | None = Field(default=None, min_length=1)  # None: the model's project
-    classification: Classification | None = None  # None: the catalogue's; set only to raise it
-    regions: list[str] | None = None  # None: wherever the dataset may go
-    hyperparameters: dict[str, Any] | None = None  # overrides of the model's defaults
-    workers: int = Field(default=2, ge=1)
-    gpu_type: str = Field(default="A100-80GB", min_length=1)
-    priority: Priority = "normal"
-    interruptible: bool = False
-    spot_allowed: bool = False
-    cluster_preference: ClusterPreference = "auto"
-    placement_strategy: PlacementStrategy = "local_first"
-    max_price_per_gpu_hour: float = Field(default=0.0, ge=0, le=1000)  # 0: no ceiling
-    start_by: str | None = None  # a duration: place where the gang is expected to start within it
-    model_params_b: float = Field(default=0.0, ge=0, le=10_000)  # 0: the model's registered parameters
-    precision: Precision = "fp32"
-    optimizer: Optimizer = "sgd_momentum"
-    sharding: Sharding = "none"
-    checkpoint_every_steps: int = Field(default=50, ge=1)
-    compression: Compression = "best"  # best: try int8 and fp16, keep the smallest that passes
-    deploy: bool = True
-    budget_override: str = Field(default="", max_length=500)  # why a critical run may start while frozen
-
-    @field_validator("budget_override", mode="before")
-    @classmethod
-    def _no_override(cls, value: Any) -> Any:
-        return "" if value is None else value  # the trigger form sends null for an empty field
-
-    @field_validator("workers", "checkpoint_every_steps", mode="before")
-    @classmethod
-    def _no_bool_counts(cls, value: Any) -> Any:
-        # bool is an int subclass: workers=true would silently become 1 GPU.
-        if isinstance(value, bool):
-            raise ValueError("expected a whole number, not true/false")
-        return value
-
-    @field_validator("start_by", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> Any:
-        if value in (None, ""):
-            return None
-        from hybridflow.waits import parse_duration
-
-        parse_duration(value)  # ValueError names the accepted forms
-        return str(value).strip()
-
-    @field_validator("model", "dataset", "project", "classification", mode="before")
-    @classmethod
-    def _empty_is_none(cls, value: Any) -> Any:
-        return None if value == "" else value  # the form's cleared text field
-
-    @property
-    def must_stay_private(self) -> bool:
-        return self.classification == "restricted"
-
-    @property
-    def spot_eligible(self) -> bool:
-        return self.spot_allowed and self.interruptible
-
-    @property
-    def start_by_s(self) -> float | None:
-        from hybridflow.waits import parse_duration
-
-        return None if self.start_by is None else parse_duration(self.start_by)
-
-
-class AdmittedRun(RunRequest):
-    """A request that passed admission with every default resolved (model, dataset, project, the data's
-    effective classification and allowed regions, the full hyper-parameters), plus the team and the
-    dataset's location. Travels between tasks as XCom."""
-
-    team: str
-    dataset_location: str
-
-    @property
-    def request(self) -> RunRequest:
-        return RunRequest(**{name: getattr(self, name) for name in RunRequest.model_fields})
-
-    def to_xcom(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-    @classmethod
-    def from_xcom(cls, data: Mapping[str, Any]) -> AdmittedRun:
-        # The pipeline adds its own keys (e.g. run_key) next to ours in the same XCom dict.
-        return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
-
+__all__ = ["PARAM_DEFAULTS", "admit"]
 
 _FIELDS = tuple(RunRequest.model_fields)
 
@@ -221,7 +122,7 @@ def _resolve_names(req: RunRequest, estate: Estate):
     except KeyError as exc:
         raise AdmissionError("dataset", str(exc.args[0])) from None
     if req.dataset and req.dataset != model.dataset:
-        from hybridflow.registry import signature_problems
+        from hybridflow.config.registry import signature_problems
 
         problems = signature_problems(model, entry.column_types)
         if problems:
@@ -338,8 +239,8 @@ def _check_price_ceiling(req: RunRequest, estate: Estate) -> None:
 def _check_memory(req: RunRequest, registered: int, gpu_memory_gib: float, quota: int, headroom: float) -> None:
     """Refuse a gang whose model state cannot fit its GPUs, saying what would fit."""
     params = int(req.model_params_b * 1e9) if req.model_params_b else registered
-    est = estimate(params, precision=req.precision, optimizer=req.optimizer, sharding=req.sharding,
-                   workers=req.workers, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
+    est = estimate_for(params, req.train_setting, workers=req.workers, gpu_memory_gib=gpu_memory_gib,
+                       headroom=headroom)
     if est.fits:
         return
     options = []

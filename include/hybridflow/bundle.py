@@ -48,7 +48,7 @@ class ModelCard:
 
     @property
     def input_names(self) -> list[str]:
-        from hybridflow.registry import Signature
+        from hybridflow.config.registry import Signature
 
         return Signature.model_validate(self.signature).input_names
 
@@ -169,7 +169,7 @@ def read_weights(path: Path) -> dict[str, Any]:
 
 def build_module(card: ModelCard):
     """The registered builder's module for ``card``'s hyper-parameters, in eval mode, fp32."""
-    from hybridflow.registry import resolve
+    from hybridflow.config.registry import resolve
 
     module = resolve(card.build, argument="hparams")(dict(card.hyperparameters))
     if not hasattr(module, "state_dict") or not hasattr(module, "load_state_dict"):

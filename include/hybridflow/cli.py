@@ -226,7 +226,8 @@ def _cache_store(cluster_name: str):
 def cmd_cache(args) -> int:
     from datetime import datetime
 
-    from hybridflow.cache import PruneRefused, list_versions, prune_versions
+    from hybridflow.cache import PruneRefused, list_versions, prune_cluster
+    from hybridflow.settings import get_settings
 
     store, estate = _cache_store(args.cluster)
     if args.action == "versions":
@@ -236,19 +237,15 @@ def cmd_cache(args) -> int:
         return 0
     keep = args.keep if args.keep is not None else estate.pipeline.staging.keep_versions
     try:
-        report = prune_versions(
-            store, args.dataset, keep=keep, dry_run=args.dry_run,
-            protect_s=args.protect_hours * 3600.0, min_blob_age_s=args.protect_hours * 3600.0,
+        report = prune_cluster(
+            estate, args.cluster, store, args.dataset, private_root=get_settings().private_root, keep=keep,
+            dry_run=args.dry_run, protect_s=args.protect_hours * 3600.0, min_blob_age_s=args.protect_hours * 3600.0,
         )
     except PruneRefused as exc:
         raise SystemExit(f"hybridflow cache prune: {exc}") from exc
     except ValueError as exc:
         raise SystemExit(f"--keep: {exc}") from exc
-    verb = "would delete" if report.dry_run else "deleted"
-    print(
-        f"kept {len(report.kept)} versions; {verb} {len(report.versions_deleted)} versions and "
-        f"{report.blobs_deleted} blobs ({report.bytes_freed} bytes)"
-    )
+    print(report.summary())
     return 0
 
 
@@ -395,10 +392,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    """Exit 0; 2 for bad input (nothing changed); 3 when ``up`` lifted the fence but an endpoint
-    stays served on the disaster-recovery side (the primary did not pass the deploy gate)."""
-    from hybridflow.dr.fencing import FencingError, declare_up, fence_status, serving_stayed
-    from hybridflow.dr.fencing_drain import fence_and_drain
+    """Exit 0; 2: bad input (nothing changed); 3: ``up`` lifted the fence but an endpoint stays served
+    on the DR side (the primary failed the deploy gate); 4: ``down`` fenced, but its drain is incomplete."""
+    from hybridflow.dr.fencing.drain import DrainIncomplete, fence_and_drain
+    from hybridflow.dr.fencing.failback import declare_up
+    from hybridflow.fencing import FencingError, fence_status, serving_stayed
 
     if args.action != "status" and not args.cluster:
         print(f"hybridflow cluster {args.action} needs the cluster, e.g. hybridflow cluster {args.action} onprem-a",
@@ -413,9 +411,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             out, stayed = change.to_dict(), serving_stayed(change)
         else:
             out = fence_status()
-    except FencingError as exc:
+    except (FencingError, DrainIncomplete) as exc:  # DrainIncomplete: fenced; a rerun drains what failed
         print(f"hybridflow cluster {args.action}: {exc}", file=sys.stderr)
-        return 2
+        return 4 if isinstance(exc, DrainIncomplete) else 2
     json.dump(out, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
     if args.action == "up" and stayed:

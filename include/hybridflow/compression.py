@@ -34,9 +34,9 @@ from hybridflow.bundle import (
     write_atomic,
     write_bundle,
 )
+from hybridflow.config.registry import MetricSpec
 from hybridflow.errors import CompressionRefused
 from hybridflow.evaluation import score_predictor
-from hybridflow.registry import MetricSpec
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -2,7 +2,7 @@
 
 The clusters a run may use are those placement could choose for it by the rules that need no load
 reading (sovereignty, region, cluster_preference, GPU model, spot, gang size, price ceiling, and
-the clusters declared down: :func:`hybridflow.placement.rules.choose_cluster` with no usage). For
+the clusters declared down: :func:`hybridflow.placement.decide.eligible`). For
 each of them with backend kubernetes, its Connection must exist, its kubeconfig must load through
 the provider's ``KubernetesHook``, and the API server must answer one authenticated list of the
 cluster's gang jobs (Volcano Jobs or batch Jobs, limit 1) within ``placement.cluster_read_timeout_s``
@@ -22,11 +22,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.errors import AdmissionError, PlacementError
+from hybridflow.errors import AdmissionError
 
 if TYPE_CHECKING:
-    from hybridflow.admission import AdmittedRun
     from hybridflow.config import Cluster, Estate
+    from hybridflow.request import AdmittedRun
 
 log = logging.getLogger(__name__)
 
@@ -49,26 +49,14 @@ class ConnectionProblem:
         return f"cluster {self.cluster} (Connection {self.conn_id}): {self.problem}; {self.fix}"
 
 
-def candidate_clusters(run: AdmittedRun, estate: Estate) -> list[Cluster]:
-    """The clusters placement could choose for ``run`` whatever their load (none: placement itself
-    explains why no cluster fits). Clusters declared down are left out as placement leaves them out:
-    in a takeover a critical run is not refused because the primary's Connection does not answer."""
-    from hybridflow.placement.rules import choose_cluster
-    from hybridflow.placement.takeover import current
-
-    try:
-        decision = choose_cluster(run, estate, {}, takeover=current(estate))
-    except PlacementError:  # a run held by the takeover too: placement says why, and holds it
-        return []
-    return [estate.clusters[c["cluster"]] for c in decision.candidates if c["eligible"]]
-
-
 def check_connections(run: AdmittedRun, estate: Estate) -> list[ConnectionProblem]:
     """Probe the Connection of every kubernetes cluster ``run`` may use. Returns the problems found
     (each logged as a warning); raises :class:`AdmissionError` when they leave the run no cluster."""
     if not any(c.backend == "kubernetes" for c in estate.clusters.values()):
         return []
-    clusters = candidate_clusters(run, estate)
+    from hybridflow.placement.decide import eligible
+
+    clusters = eligible(run, estate)
     timeout_s = estate.pipeline.placement.cluster_read_timeout_s
     problems = [p for c in clusters if c.backend == "kubernetes" and (p := probe(c, timeout_s)) is not None]
     if problems and len(problems) == len(clusters):
@@ -86,14 +74,14 @@ def probe(cluster: Cluster, timeout_s: float) -> ConnectionProblem | None:
     """None when the cluster's API server answers through its Connection within ``timeout_s``."""
     from airflow.sdk.exceptions import AirflowNotFoundException
 
-    from hybridflow.backends.k8s.backend import make_hook
+    from hybridflow.hooks.kubernetes import kubernetes_hook
 
     conn_id = str(cluster.conn_id)
 
     def problem(what: str, fix: str) -> ConnectionProblem:
         return ConnectionProblem(cluster.name, conn_id, what, fix)
 
-    hook = make_hook(conn_id)
+    hook = kubernetes_hook(conn_id)
     try:
         hook.get_connection(conn_id)
     except AirflowNotFoundException:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridflow.catalogue import DatasetEntry
+from hybridflow.config.catalogue import DatasetEntry
+from hybridflow.config.registry import EntrypointError, ModelEntry, resolve
 from hybridflow.datasets import header_problems, list_relative, locate, open_file, read_header, split_files
 from hybridflow.errors import AdmissionError, DataValidationError
-from hybridflow.registry import EntrypointError, ModelEntry, resolve
 
 
 def check_dataset(entry: DatasetEntry, private_root: Path, file_roots: Sequence[Path]) -> str:

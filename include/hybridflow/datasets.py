@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.catalogue import FILE_SCHEME, PRIVATE_SCHEME, S3_SCHEME, DatasetEntry
+from hybridflow.config.catalogue import FILE_SCHEME, PRIVATE_SCHEME, S3_SCHEME, DatasetEntry
 from hybridflow.errors import AdmissionError, DataValidationError
 from hybridflow.storage.manifest import DatasetManifest, ManifestEntry, sha256_bytes
 from hybridflow.storage.sources import skipped
@@ -352,7 +352,7 @@ def sha256_of(data: bytes) -> tuple[int, str]:
 
 def seed(entry: DatasetEntry, private_root: Path, file_roots: Sequence[Path] = ()) -> Path:
     """Write an example dataset where the catalogue says it lives, with its ``seed`` function."""
-    from hybridflow.registry import resolve
+    from hybridflow.config.registry import resolve
 
     if entry.seed is None:
         raise ValueError(f"dataset {entry.name} has no seed function in datasets.yaml; its owner provides the data")

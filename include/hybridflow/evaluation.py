@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow import scoring
 from hybridflow.bundle import Predictor, inputs_and_target
-from hybridflow.registry import MetricSpec
+from hybridflow.config.registry import MetricSpec
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -20,8 +20,9 @@ optimizer state = 128 GB, which no single 80 GB GPU holds; with ZeRO-1 over 8 GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Optimizer = Literal["sgd", "sgd_momentum", "adamw"]
@@ -32,6 +33,35 @@ OPTIMIZER_STATE_BYTES: dict[str, int] = {"sgd": 0, "sgd_momentum": 4, "adamw": 8
 SHARDINGS: tuple[Sharding, ...] = ("none", "zero1", "zero2", "zero3")
 GB = 1e9
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class TrainSetting:
+    """How a run trains: the ``precision``, ``optimizer`` and ``sharding`` Params. Admission estimates
+    GPU memory from it, and the gang's ranks train with it (``training`` in the job spec, the helpers
+    of :mod:`hybridflow.training.parallel`): one object, so the estimate and the run cannot disagree."""
+
+    precision: Precision = "fp32"
+    optimizer: Optimizer = "sgd_momentum"
+    sharding: Sharding = "none"
+
+    @classmethod
+    def from_dict(cls, body: Mapping[str, Any] | None) -> TrainSetting:
+        """The job spec's ``training`` block (absent: the Params' defaults); an unknown key or value is
+        an error naming it and what is allowed."""
+        body = dict(body or {})
+        unknown = sorted(set(body) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"training setting has unknown keys {unknown}; known keys are precision, optimizer, sharding")
+        allowed = {"precision": tuple(PRECISION_BYTES), "optimizer": tuple(OPTIMIZER_STATE_BYTES),
+                   "sharding": SHARDINGS}
+        for key, values in allowed.items():
+            if key in body and body[key] not in values:
+                raise ValueError(f"training setting {key}={body[key]!r} is not one of {', '.join(values)}")
+        return cls(**body)
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -95,6 +125,13 @@ def per_gpu_bytes(weights: float, grads: float, opt: float, sharding: str, n: in
     if sharding == "zero3":
         return (weights + grads + opt) / n
     raise ValueError(f"unknown sharding {sharding!r}; use one of {', '.join(SHARDINGS)}")
+
+
+def estimate_for(params: int, setting: TrainSetting, *, workers: int, gpu_memory_gib: float,
+                 headroom: float = 0.2) -> MemoryEstimate:
+    """:func:`estimate` for a run's :class:`TrainSetting`."""
+    return estimate(params, precision=setting.precision, optimizer=setting.optimizer, sharding=setting.sharding,
+                    workers=workers, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
 
 
 def estimate(

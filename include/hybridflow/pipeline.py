@@ -27,18 +27,19 @@ def _estate(settings: Settings):
 
 
 def _admitted(run: Mapping[str, Any]):
-    from hybridflow.admission import AdmittedRun
+    from hybridflow.request import AdmittedRun
 
     return AdmittedRun.from_xcom(dict(run))
 
 
 def admit(params: Mapping[str, Any], identity: RunIdentity, settings: Settings | None = None) -> dict:
     from hybridflow.admission import admit as admit_request
-    from hybridflow.placement.loads import team_usage
+    from hybridflow.backends import estate_load, team_usage
 
     settings = settings or get_settings()
     estate = _estate(settings)
-    admitted = admit_request(params, estate, settings.private_root, team_usage=team_usage(estate, settings),
+    held = team_usage(estate_load(estate, settings.state_dir))  # GPUs each team's gangs hold now
+    admitted = admit_request(params, estate, settings.private_root, team_usage=held,
                              file_roots=estate.file_roots(settings.home))
     log.info("Admitted run %s: model %s on dataset %s (%s%s) for project %s: %s", identity.run_key, admitted.model,
              admitted.dataset, admitted.classification,
@@ -68,17 +69,15 @@ def choose_cluster(run: Mapping[str, Any], settings: Settings | None = None) -> 
     """Place the run. A run the takeover holds (a cluster down would take it, or batch work paused)
     waits in this step: rescheduled every ``training.gang_admission_timeout_s`` (no worker slot held
     meanwhile) for at most ``training.max_queue_wait_s``, then refused (:func:`_hold`)."""
-    from hybridflow.placement import place
-    from hybridflow.placement.loads import cluster_loads, wait_estimates
+    from hybridflow.placement.decide import decide
     from hybridflow.placement.takeover import PlacementHeld
 
     settings = settings or get_settings()
     started = time.monotonic()
     estate = _estate(settings)
     admitted = _admitted(run)
-    loads = cluster_loads(estate, settings)
     try:
-        decision = place(admitted, estate, loads, waits=wait_estimates(admitted, estate, loads))
+        decision = decide(admitted, estate, settings)
     except PlacementHeld as held:
         _hold(run, held, estate, settings)
     _end_hold(run, settings)

@@ -5,11 +5,14 @@ placement chose, in the triggerer (:class:`QueueWaitTrigger`: no worker slot hel
 
 - the gang is admitted (``admitted``): on the local backend the trigger takes the slots on the
   task's behalf for ``LEASE_S``, and the resumed task launches the gang on them;
-- another eligible cluster would admit it now (``room_elsewhere``, looked for every
-  ``training.gang_admission_timeout_s``): the task moves there (:func:`hybridflow.training.failover.fail_over`);
+- a whole ``training.gang_admission_timeout_s`` has passed (``recheck``): the task resumes and asks
+  placement for an eligible cluster that would admit the gang now; it moves there
+  (:func:`hybridflow.training.failover.fail_over`) or defers again, keeping the gang's ticket;
 - it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting;
-- the cluster is declared down (:mod:`hybridflow.dr.fencing`): the gang is withdrawn, never admitted
-  there, and moves (``room_elsewhere``) or ends its wait (``expired``: the task refuses the cluster).
+- the cluster is declared down (:mod:`hybridflow.fencing`; ``fenced``): the gang is never admitted
+  there; the task withdraws its ticket and moves it, or fails naming the fence.
+
+The trigger never places: moving is the task's, through placement.
 
 Its position, the GPUs ahead of it and an estimated start go to the task log and to
 ``runs/<key>/queue.json``, which the run's page shows.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
@@ -89,27 +93,37 @@ class QueueWaitTrigger(BaseTrigger):
     """Wait in a cluster's queue for the run's gang (``kind`` ``slots``: the local backend's slot
     pool; ``team_cap``: the team's GPUs across the estate to come under its gpu_cap before a
     Kubernetes gang is submitted). Side effects: the gang's ticket in the local queue, the slots it
-    takes when admitted (leased) and the run's queue.json."""
+    takes when admitted (leased) and the run's queue.json.
 
-    def __init__(self, *, kind: str, cluster: str, job: dict, run: dict, placement: dict, queued_since: float,
+    A user who marks the deferred task failed or success, or clears it, cancels the wait: Airflow
+    then calls :meth:`on_kill`, which withdraws the ticket (gangs queued behind it are no longer
+    held back by a gang nobody waits for) and gives back slots this trigger took but never handed
+    to the task. A triggerer that restarts only cancels the trigger: the ticket keeps the gang's
+    place for the next triggerer."""
+
+    def __init__(self, *, kind: str, cluster: str, job: dict, run: dict, queued_since: float,
                  max_wait_s: float, recheck_s: float, poll_s: float) -> None:
         super().__init__()
         self.kind = kind
         self.cluster = cluster
         self.job = job  # name, workers, priority, team, team_cap
-        self.run_info = run
-        self.placement = placement
+        self.run_info = run  # its run_key: where the run's queue.json is
         self.queued_since = queued_since
         self.max_wait_s = max_wait_s
         self.recheck_s = recheck_s
         self.poll_s = poll_s
         self._estimate: tuple[float, Any] | None = None  # (when, estimate): the ledger is read once a recheck
         self._preempted: set[str] = set()  # batch gangs a critical gang stopped and waits for
+        # A poll runs in a thread that a cancel does not stop: on_kill takes this lock, so a poll in
+        # flight ends before the ticket is withdrawn, and none after it queues or admits again.
+        self._queue_lock = threading.Lock()
+        self._stopped = False
+        self._took_slots = False  # admitted by a poll whose event was never delivered (yet)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
                 {"kind": self.kind, "cluster": self.cluster, "job": self.job, "run": self.run_info,
-                 "placement": self.placement, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
+                 "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
                  "recheck_s": self.recheck_s, "poll_s": self.poll_s})
 
     def _event(self, status: str, message: str, note: dict | None = None) -> TriggerEvent:
@@ -128,8 +142,8 @@ class QueueWaitTrigger(BaseTrigger):
             if admitted:
                 yield self._event("admitted", f"gang {self.job['name']} admitted on {self.cluster}", note)
                 return
-            if note.get("fenced"):
-                yield await self._leave_fenced(note["fenced"])
+            if note.get("fenced"):  # never admitted there: the task withdraws the ticket and moves or fails
+                yield self._event("fenced", f"gang {self.job['name']} waits on {self.cluster}, which {note['fenced']}")
                 return
             line = describe(note)
             if note.get("position") != last:
@@ -140,24 +154,10 @@ class QueueWaitTrigger(BaseTrigger):
                 yield self._event("expired", f"gang {self.job['name']} waited {self.max_wait_s:.0f} s: {line}", note)
                 return
             if self.kind == "slots" and time.time() - checked >= self.recheck_s:
-                checked = time.time()
-                other = await asyncio.to_thread(room_elsewhere, self.run_info, self.placement, self.cluster)
-                if other:
-                    await asyncio.to_thread(self._withdraw, "moved")
-                    yield self._event("room_elsewhere", f"{other} would admit the gang now", note)
-                    return
+                # The task looks for room elsewhere (placement is not the trigger's); the ticket stays.
+                yield self._event("recheck", f"gang {self.job['name']} still waits on {self.cluster}: {line}", note)
+                return
             await asyncio.sleep(self.poll_s)
-
-    async def _leave_fenced(self, why: str) -> TriggerEvent:
-        """The cluster was declared down while the gang waited in its queue: it is never admitted
-        there. Withdrawn, the gang moves to a cluster that would admit it now, else the wait ends
-        (the resumed task refuses the fenced cluster, naming the fix)."""
-        other = await asyncio.to_thread(room_elsewhere, self.run_info, self.placement, self.cluster)
-        await asyncio.to_thread(self._withdraw, "moved" if other else "fenced")
-        if other:
-            return self._event("room_elsewhere", f"{self.cluster} {why}; {other} would admit the gang now")
-        return self._event("expired", f"gang {self.job['name']} withdrawn: {self.cluster} {why}, and no other "
-                                      "cluster would admit it now")
 
     def _context(self):
         from hybridflow.backends import gang_backend
@@ -169,6 +169,14 @@ class QueueWaitTrigger(BaseTrigger):
         return settings, estate, gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
 
     def _poll(self) -> tuple[bool, dict]:
+        with self._queue_lock:
+            if self._stopped:
+                raise RuntimeError("the wait was stopped")
+            admitted, note = self._poll_once()
+            self._took_slots = admitted and self.kind == "slots"
+            return admitted, note
+
+    def _poll_once(self) -> tuple[bool, dict]:
         from hybridflow.backends import team_held_outside
         from hybridflow.backends.base import GangJob, QueueStanding
 
@@ -207,32 +215,61 @@ class QueueWaitTrigger(BaseTrigger):
         note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster, state=state,
                       queued_since=self.queued_since)
 
+    async def on_kill(self) -> None:
+        """The user stopped the deferred task: withdraw the gang's ticket from the cluster's queue and
+        give back slots this trigger took for it that no task will come for; the run's queue.json
+        says ``stopped``. A task Airflow still has as deferred was not stopped (its wait moved to
+        another triggerer): its place is kept. Withdrawing a ticket already gone is harmless."""
+        state = await deferred_task_state(self.task_instance, self.log, f"gang {self.job['name']}")
+        if state == "deferred":
+            self.log.info("gang %s keeps its place on %s: the task is still deferred (its wait moved to another "
+                          "triggerer)", self.job["name"], self.cluster)
+            return
+        await asyncio.to_thread(self._stop)
+
+    def _stop(self) -> None:
+        with self._queue_lock:
+            self._stopped = True
+            self._withdraw("stopped")
+            if self._took_slots:
+                # Only slots still leased to this triggerer: a new try of a cleared task that took them
+                # over (its own pid, no lease) keeps them.
+                _, _, backend = self._context()
+                held = backend.pool.holdings().get(self.job["name"]) or {}
+                if held.get("pid") == os.getpid() and "lease_until" in held:
+                    backend.pool.release(self.job["name"])
+        self.log.info("gang %s withdrawn from the queue of %s: the task was stopped by a user", self.job["name"],
+                      self.cluster)
+
+
+async def deferred_task_state(ti: Any, log: Any, what: str) -> str | None:
+    """The deferred task's state as Airflow has it now (``ti``: the trigger's task instance); None
+    when it cannot be told (no task instance, or no answer): a cancel is then taken as the user's,
+    as Airflow says it is."""
+    if ti is None:
+        return None
+    try:
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+        from asgiref.sync import sync_to_async
+
+        states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
+            dag_id=ti.dag_id, map_index=ti.map_index, task_ids=[ti.task_id], run_ids=[ti.run_id])
+    except Exception as exc:  # noqa: BLE001 - without an answer the user's stop is honoured
+        log.warning("%s: the task's state could not be read (%s); taking the cancel as a user's stop", what, exc)
+        return None
+    run = states.get(ti.run_id) or {}
+    key = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}_{ti.map_index}"
+    return run.get(key)
+
 
 def fenced_cluster(cluster: str, state_dir: Path) -> str | None:
-    """``is declared down (...)`` when ``cluster`` is fenced (:mod:`hybridflow.dr.fencing`), else None."""
-    from hybridflow.dr.fencing import down_clusters, state_path
+    """``is declared down (...)`` when ``cluster`` is fenced (:mod:`hybridflow.fencing`), else None."""
+    from hybridflow.fencing import down_clusters, state_path
 
     record = down_clusters(state_path(state_dir)).get(cluster)
     if record is None:
         return None
     return f"is declared down ({record.get('reason') or 'no reason kept'})"
-
-
-def room_elsewhere(run: Mapping[str, Any], placement: Mapping[str, Any], cluster: str) -> str | None:
-    """Another eligible cluster that would admit the run's gang now, or None (no side effects)."""
-    from hybridflow.admission import AdmittedRun
-    from hybridflow.config import load_estate
-    from hybridflow.errors import PlacementError
-    from hybridflow.placement.loads import place_elsewhere
-    from hybridflow.settings import get_settings
-
-    settings = get_settings()
-    estate = load_estate(settings.config_dir)
-    try:
-        return place_elsewhere(AdmittedRun.from_xcom(dict(run)), placement, cluster, "waiting there", estate,
-                               settings).cluster
-    except PlacementError:
-        return None
 
 
 def hold_for_team_cap(admitted: Any, cluster: str, gang: str, backend: Any, estate: Any, state_dir: Path,
@@ -242,8 +279,8 @@ def hold_for_team_cap(admitted: Any, cluster: str, gang: str, backend: Any, esta
     over_team_cap: the task waits for the team's GPUs in the triggerer). A job this run already
     has there is re-attached, never held."""
     from hybridflow.backends import estate_load, team_usage
+    from hybridflow.backends.base import MISSING
     from hybridflow.backends.errors import GangNotAdmitted
-    from hybridflow.backends.k8s.backend import MISSING
 
     req = admitted.request
     cap = estate.teams[admitted.team].gpu_cap

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybridflow.catalogue import DatasetEntry
+from hybridflow.config.catalogue import DatasetEntry
 from hybridflow.datasets import (
     DatasetVersion,
     Location,

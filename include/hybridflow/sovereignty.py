@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.catalogue import CLASSIFICATIONS, UNCLASSIFIED, read_catalogue, stricter
+from hybridflow.config.catalogue import CLASSIFICATIONS, UNCLASSIFIED, read_catalogue, stricter
 from hybridflow.errors import SovereigntyError, StagingError
 
 LOCATIONS = ("private", "public")

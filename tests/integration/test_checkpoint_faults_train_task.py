@@ -110,8 +110,8 @@ def _attempts(home: Path, run_key: str) -> list[dict]:
 
 
 def test_sigterm_preemption_commits_within_grace_and_the_relaunch_resumes(train_home):
-    from hybridflow.admission import AdmittedRun
     from hybridflow.records import build_record
+    from hybridflow.request import AdmittedRun
 
     home, _ = train_home
     task = _TrainTask("preempt", {"hyperparameters": {"steps": 1500}, "checkpoint_every_steps": 100,

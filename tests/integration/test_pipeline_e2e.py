@@ -213,12 +213,13 @@ def _worker_pids(spec_marker: str) -> list[int]:
 
 
 def test_breast_cancer_run_survives_a_killed_worker_and_serves(estate):
-    """The second example, a different shape (Parquet, 30 float columns, ROC AUC, sharded checkpoints,
-    restricted data), with default Params: SIGKILL one of its training workers mid-run; the train task
+    """The second example, a different shape (Parquet, 30 float columns, ROC AUC, restricted data),
+    trained with FSDP and AdamW as its Params ask (sharding zero3: sharded checkpoints): SIGKILL one of its training workers mid-run; the train task
     fails, Airflow retries it in the same DAG run, the retry resumes from the newest committed
     checkpoint, and the model is evaluated, compressed, deployed and answers on its own endpoint."""
     started = time.time()
-    conf = {"model": "breast-cancer", "hyperparameters": {"steps": 3000}, "checkpoint_every_steps": 100}
+    conf = {"model": "breast-cancer", "hyperparameters": {"steps": 3000}, "checkpoint_every_steps": 100,
+            "sharding": "zero3", "optimizer": "adamw"}
     cmd = [BIN / "airflow", "dags", "test", "hybrid_training", "-c", json.dumps(conf)]
     ckpt_root = estate["home"] / "private" / "checkpoints"
     log_path = estate["home"] / "gang-kill.log"
@@ -252,6 +253,7 @@ def test_breast_cancer_run_survives_a_killed_worker_and_serves(estate):
     assert record["checkpoints"]["final_step"] == 3000
     assert [a["outcome"] for a in record["train_attempts"]] == ["failed", "succeeded"]
     assert "resuming from checkpoint step" in output.lower() and "sharded" in output
+    assert "precision fp32, optimizer adamw, sharding zero3" in output
     metric = record["metric"]
     assert metric["name"] == "roc_auc" and metric["value"] >= metric["gate"] == 0.95
     # Served on its own endpoint, with requests checked against its signature.

@@ -160,6 +160,47 @@ def test_gang_not_admitted_on_kubernetes_fails_over_and_leaves_nothing_queued(es
     assert recorded["failovers"] == [{"cluster": CLUSTER, "reason": "gang not admitted within 2 s"}]
 
 
+@pytest.mark.parametrize("estate", [("volcano", True)], indirect=True, ids=["volcano-deferred"])
+def test_a_gang_with_nowhere_to_move_waits_window_after_window_in_one_attempt(estate) -> None:
+    """The trigger only waits: after each admission window it hands back to the task, which asks
+    placement for room elsewhere, finds none, notes where the gang stands and defers again, keeping
+    the gang's job and its attempt. Once the cluster admits it, it trains there."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from hybridflow.backends.k8s.trigger import GangJobTrigger
+    from hybridflow.backends.local import LocalSlotPool
+    from hybridflow.queueing import read_standing
+
+    for node in estate.sim.nodes.values():
+        node["unschedulable"] = True  # cordoned for now: the gang waits
+    other = LocalSlotPool(estate.home / "state", "onprem-a", 4)
+    assert other.try_acquire("train-other", 4, team="search")  # the other private cluster is full
+    run, placement, _, op, context = _train_task("k8s-wait")
+    assert placement["cluster"] == CLUSTER
+    with pytest.raises(TaskDeferred) as first:
+        op.execute(context)
+    assert read_standing(estate.home / "private", run["run_key"])["state"] == "waiting"
+    event = asyncio.run(_first_event(first.value.trigger))
+    assert event.payload["status"] == "not_admitted"
+    resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
+    with pytest.raises(TaskDeferred) as second:
+        resumed.execute_complete(context, event=event.payload, **first.value.kwargs)
+    assert isinstance(second.value.trigger, GangJobTrigger) and second.value.kwargs == first.value.kwargs
+    assert len(_creates(estate.sim)) == 1 and estate.sim.vcjobs  # the same job keeps its place
+    note = read_standing(estate.home / "private", run["run_key"])
+    assert note["state"] == "waiting" and note["cluster"] == CLUSTER and note["waited_s"] >= 2
+
+    for node in estate.sim.nodes.values():
+        node["unschedulable"] = False
+    event = asyncio.run(_first_event(second.value.trigger))
+    assert event.payload["status"] == "success", event.payload
+    result = type(op)(task_id=op.task_id, run=op.run, placement=op.placement,
+                      staged=op.staged).execute_complete(context, event=event.payload, **second.value.kwargs)
+    assert result["cluster"] == CLUSTER and result["final_step"] == 40
+    attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
+    assert [(a["cluster"], a["outcome"]) for a in attempts] == [(CLUSTER, "succeeded")]
+
+
 @pytest.mark.parametrize("estate", [("volcano", False)], indirect=True, ids=["volcano-blocking"])
 def test_evicted_gang_is_restarted_by_volcano_and_resumes_from_its_checkpoint(estate) -> None:
     from hybridflow import pipeline

@@ -14,7 +14,8 @@ import pytest
 from tests.k8s_real.conftest import real_cluster, until
 from tests.support.gang_worker import WORKER
 
-from hybridflow.backends.k8s.backend import SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
+from hybridflow.backends.errors import PreemptionBudgetSpent
+from hybridflow.backends.k8s.backend import SUCCEEDED, KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import gang_job_name
 from hybridflow.backends.local import GangFailed, GangJob
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from tests.k8s_real.conftest import CONN_ID, until
 
-from hybridflow.backends.k8s.backend import make_hook
+from hybridflow.hooks.kubernetes import kubernetes_hook
 from hybridflow.reaper.serving import KubernetesServingFinder
 
 
@@ -39,7 +39,7 @@ def test_kserve_s_own_deployment_is_never_reaped_and_an_unrouted_one_of_ours_is(
     apps.create_namespaced_deployment(real.ns, _deployment(real.ns, "digits-blue", {
         **endpoint, "hybridflow.io/version": "v1", "hybridflow.io/track": "blue"}))
 
-    finder = KubernetesServingFinder("k8s-real", make_hook(CONN_ID), real.ns, timeout_s=10)
+    finder = KubernetesServingFinder("k8s-real", kubernetes_hook(CONN_ID), real.ns, timeout_s=10)
     found = finder.find(datetime.now(UTC))
     assert [lo.name for lo in found] == ["deployment/digits-blue"]
     for leftover in found:

@@ -370,7 +370,7 @@ def _declare(stack, page, shot, action: str, reason: str | None) -> dict:
 
 def _lift_fence(stack) -> None:
     """Leave FENCED up for whatever uses the stack next, whatever the test got to."""
-    from hybridflow.dr.fencing import down_clusters, state_path
+    from hybridflow.fencing import down_clusters, state_path
     from hybridflow.settings import Settings
 
     if FENCED in down_clusters(state_path(Settings(home=stack.home, config_dir=stack.config_dir).state_dir)):

@@ -49,7 +49,7 @@ def seed(model: str, folder: Path) -> Data:
     import pandas as pd
 
     from hybridflow.config import load_estate
-    from hybridflow.registry import resolve
+    from hybridflow.config.registry import resolve
 
     estate = load_estate(CONFIG)
     dataset = estate.datasets.get(estate.models.get(model).dataset)
@@ -64,7 +64,7 @@ def train(model: str, data: Data, steps: int | None = None, seed: int = 0):
     import torch
     import torch.nn.functional as F
 
-    from hybridflow.registry import resolve
+    from hybridflow.config.registry import resolve
 
     e = entry(model)
     module = resolve(e.build, argument="hparams")(e.defaults())

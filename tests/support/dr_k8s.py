@@ -81,8 +81,8 @@ def clusters(monkeypatch, base: Path, *, processes: bool = False) -> SimpleNames
 
 def replicate(store_root: Path, endpoint: str, version: str, bundle: Path, model: str) -> None:
     """``bundle`` as the replica of ``endpoint`` ``version`` in the DR store at ``store_root``."""
-    from hybridflow.dr.replicas import replicate_set
-    from hybridflow.dr.sources import model_set
+    from hybridflow.dr.replication.replicas import replicate_set
+    from hybridflow.dr.replication.sources import model_set
     from hybridflow.storage.objectstore import LocalObjectStore
 
     record = {"endpoint": endpoint, "version": version, "bundle": str(bundle), "model": model, "status": "active"}

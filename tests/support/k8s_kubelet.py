@@ -91,6 +91,8 @@ class Kubelet:
             task, index = pod["name"].rsplit("-", 2)[1:]
             env["RANK"] = "0" if task == "master" else str(1 + int(index))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # pod DNS -> this machine
+        # The simulated nodes advertise GPUs this machine may not have: their workers use what is here.
+        env["HYBRIDFLOW_DEVICE"] = "auto"
         command = [sys.executable if c == "python" else c for c in container["command"]]
         log = open(self.log_dir / f"{pod['name']}.log", "ab")  # noqa: SIM115 - kept by the process
         pod["_ran"] = True

@@ -67,6 +67,7 @@ class SimCluster:
         self.jobs: dict[tuple[str, str], dict] = {}
         self.pods: dict[tuple[str, str], dict] = {}
         self.secrets: dict[tuple[str, str], dict] = {}
+        self.claims: set[tuple[str, str]] | None = None  # PersistentVolumeClaims (None: every one asked for)
         self.services: dict[tuple[str, str], dict] = {}
         self.deleted: dict[tuple[str, str, str], dict] = {}  # (kind, ns, name): a job as it was when deleted
         self.kueue_admits = True  # Kueue admits at all (with declared queues, also within the quota)

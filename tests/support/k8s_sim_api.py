@@ -142,6 +142,7 @@ class _Fake:
 
 VCJOBS = ("batch.volcano.sh", "v1alpha1", "jobs")
 KSERVE_GROUP = "serving.kserve.io"  # InferenceServices, served once a KServe controller is attached
+KNATIVE_GROUP = "serving.knative.dev"  # served with a KServe controller in Serverless mode
 # (group, version, plural) -> the simulator's store, whether namespaced, the kind, its CRD (file, version).
 _RESOURCES = {
     VCJOBS: ("vcjobs", True, "Job", ("volcano/batch.volcano.sh_jobs.yaml", None)),
@@ -230,6 +231,10 @@ class FakeCustomObjectsApi(_Fake):
     def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None, **kwargs):
         if (kserve := self._kserve(group)) is not None:
             return kserve.list(namespace, label_selector)
+        if group == KNATIVE_GROUP and getattr(self.sim, "kserve", None) is not None and self.sim.kserve.knative:
+            # KServe in Serverless mode runs over Knative Serving, whose API the server then serves; its
+            # Services (one per revision's configuration) are not simulated, so none is listed.
+            return {"apiVersion": f"{group}/{version}", "kind": "ServiceList", "metadata": {}, "items": []}
         resource = self._resource(group, version, plural, namespaced=True)
         items = [obj for (ns, _), obj in sorted(getattr(self.sim, resource[0]).items())
                  if ns == namespace and _label_match(obj["metadata"].get("labels") or {}, label_selector)]
@@ -403,6 +408,14 @@ class FakeCoreV1Api(_Fake):
             raise ApiException(status=409, reason="AlreadyExists")
         store[key] = copy.deepcopy(body)
         return to_model(body, f"V1{kind}")
+
+    def read_namespaced_persistent_volume_claim(self, name, namespace, **kwargs):
+        """A claim the cluster's admins made: every one asked for, bound, unless the test lists the
+        claims that exist (``sim.claims``)."""
+        if self.sim.claims is not None and (namespace, name) not in self.sim.claims:
+            raise _not_found(name)
+        return to_model({"metadata": {"name": name, "namespace": namespace}, "status": {"phase": "Bound"}},
+                        "V1PersistentVolumeClaim")
 
     def create_namespaced_secret(self, namespace, body, **kwargs):
         return self._create(self.sim.secrets, "Secret", namespace, body)

@@ -58,11 +58,14 @@ VERSION_LABEL = "hybridflow.io/version"
 
 
 def attach(sim, models_dir: Path, log_dir: Path, *, ready_delay_s: float = 0.0,
-           processes: bool = True) -> KServeController:
+           processes: bool = True, knative: bool = True) -> KServeController:
     """The simulator ``sim`` gets KServe: its custom objects API serves InferenceServices. ``processes``:
     each revision's container command runs as a model-server process; False: an in-process stand-in
-    answers for it (the same HTTP API over the same bundle, without the model server's start-up)."""
+    answers for it (the same HTTP API over the same bundle, without the model server's start-up).
+    ``knative``: whether the cluster serves Knative Serving's API (False: KServe installed for
+    Standard mode only, where a Serverless InferenceService never gets a revision)."""
     sim.kserve = KServeController(models_dir, log_dir, ready_delay_s=ready_delay_s, processes=processes)
+    sim.kserve.knative = knative
     return sim.kserve
 
 
@@ -285,7 +288,7 @@ class KServeController:
 
     def __init__(self, models_dir: Path, log_dir: Path, *, ready_delay_s: float = 0.0, processes: bool = True) -> None:
         self.models_dir, self.log_dir, self.ready_delay_s = Path(models_dir), Path(log_dir), ready_delay_s
-        self.processes = processes
+        self.processes, self.knative = processes, True
         self.objects: dict[tuple[str, str], dict] = {}
         self.revisions: dict[tuple[str, str], list[_Revision]] = {}
         self.rolled_out: dict[tuple[str, str], list[str]] = {}  # every rolled-out revision, in order
@@ -362,6 +365,8 @@ class KServeController:
 
     def reconcile(self, key: tuple[str, str]) -> None:
         obj = self.objects[key]
+        if not self.knative:  # KServe v0.20 logs a terminal error and leaves the status Unknown
+            return
         predictor = obj["spec"]["predictor"]
         spec = {k: v for k, v in predictor.items() if k != "canaryTrafficPercent"}
         revisions = self.revisions.setdefault(key, [])

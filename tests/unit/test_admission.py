@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.admission import PARAM_DEFAULTS, AdmittedRun, RunRequest, admit
+from hybridflow.admission import PARAM_DEFAULTS, admit
 from hybridflow.config import Estate, load_estate
 from hybridflow.errors import AdmissionError
+from hybridflow.request import AdmittedRun, RunRequest
 from hybridflow.settings import REPO_ROOT
 
 

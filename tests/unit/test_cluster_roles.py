@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.admission import AdmittedRun, admit
+from hybridflow.admission import admit
 from hybridflow.config import Estate, load_estate
 from hybridflow.errors import ConfigError, PlacementError
 from hybridflow.placement import PlacementDecision, choose_cluster
+from hybridflow.request import AdmittedRun
 from hybridflow.settings import REPO_ROOT
 
 SHIPPED = REPO_ROOT / "config"

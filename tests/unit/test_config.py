@@ -235,6 +235,11 @@ BROKEN += [
     ("clusters.yaml", _k8s(scratch_dir="scratch/onprem-a"), ["clusters.onprem-a.scratch_dir", "absolute path"]),
     ("clusters.yaml", _set(["clusters", "onprem-a", "image"], "trainer:1"),
      ["clusters.onprem-a.image", "backend: kubernetes"]),
+    ("clusters.yaml", _k8s(nccl_socket_ifname="eth0 eth1"),
+     ["clusters.onprem-a.nccl_socket_ifname", "'eth0 eth1'", "e.g. eth0 or ^lo,docker"]),
+    ("clusters.yaml", _k8s(nccl_socket_ifname="a-name-longer-than-15"), ["clusters.onprem-a.nccl_socket_ifname"]),
+    ("clusters.yaml", _set(["clusters", "onprem-a", "nccl_socket_ifname"], "eth0"),
+     ["clusters.onprem-a.nccl_socket_ifname", "backend: kubernetes"]),
     ("pipeline.yaml", _set(["serving", "kubernetes"], {
         "cluster": "onprem-a", "node_pool": "a100", "image": "serve:1", "models_claim": "models",
         "models_dir": "/models"}), ["serving.kubernetes.cluster", "'onprem-a'", "backend kubernetes"]),
@@ -263,6 +268,12 @@ def test_kubernetes_backend_with_conn_and_scheduler_loads(tmp_path: Path) -> Non
     estate = load_estate(broken_copy(tmp_path, "clusters.yaml", mutate), use_cache=False)
     assert estate.clusters["onprem-a"].scheduler == "kueue"
     assert estate.clusters["onprem-a"].k8s_namespace == "hybridflow"
+
+
+@pytest.mark.parametrize("ifname", ["eth0", "^lo,docker", "=ib0", "^=docker0,veth", "enp0s31f6"])
+def test_nccl_socket_ifname_of_a_kubernetes_cluster_loads(tmp_path: Path, ifname: str) -> None:
+    estate = load_estate(broken_copy(tmp_path, "clusters.yaml", _k8s(nccl_socket_ifname=ifname)), use_cache=False)
+    assert estate.clusters["onprem-a"].nccl_socket_ifname == ifname
 
 
 def test_kubernetes_node_labels_are_checked(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from hybridflow.config import load_estate
-from hybridflow.dr import drill as drills
-from hybridflow.dr.drill_report import (
+from hybridflow.dr.drills import drill as drills
+from hybridflow.dr.drills.report import (
     DrillError,
     DrillMissed,
     Targets,
@@ -23,7 +23,7 @@ from hybridflow.dr.drill_report import (
     read_report,
     report_path,
 )
-from hybridflow.dr.fencing import down_clusters, read_fence, state_path
+from hybridflow.fencing import down_clusters, read_fence, state_path
 from hybridflow.settings import REPO_ROOT, Settings
 
 SHIPPED = REPO_ROOT / "config"
@@ -102,7 +102,7 @@ def test_a_missed_target_fails_the_judging_step_and_is_kept_in_the_report_and_th
         drills.finish(plan, estate, settings)
     kept = read_report(settings.private_root, "d1")
     assert kept["verdict"] == "missed" and kept["figures"]["inference_rto_s"] == 12.5
-    from hybridflow.dr.drill_ledger import drill_history
+    from hybridflow.dr.drills.ledger import drill_history
 
     assert drill_history(ledger) == [kept]
     assert [r["drill"] for r in history(settings.private_root)] == ["d1"]
@@ -133,7 +133,7 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(tmp_path: Path) -> Non
     # A kubernetes DR cluster is drilled too (tests/unit/test_dr_drill_k8s.py); its gang needs one node pool.
     assert drills.make_plan(k8s, "d", {}, dr_spec=object()).dr.backend == "kubernetes"
     # A primary down for a real outage is never drilled (a drill would fail it back).
-    from hybridflow.dr.fencing import declare_down
+    from hybridflow.fencing import declare_down
 
     declare_down("onprem-a", "power loss in dc-1", estate=estate, path=state_path(settings.state_dir))
     plan = drills.make_plan(estate, "d", {}, dr_spec=object())
@@ -151,8 +151,8 @@ def _primary_with_replicas(settings: Settings, estate) -> None:
 
     from hybridflow.backends.local import GangJob, LocalGangBackend
     from hybridflow.bundle import ModelCard, write_bundle
-    from hybridflow.dr.replication import replicate
-    from hybridflow.dr.scope import CriticalRun
+    from hybridflow.dr.replication.replicate import replicate
+    from hybridflow.dr.replication.scope import CriticalRun
     from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
     from hybridflow.storage.objectstore import LocalObjectStore
     from hybridflow.training.checkpoint import CheckpointStore
@@ -223,18 +223,52 @@ def test_a_drill_takes_over_from_the_replicated_data_with_the_primary_s_storage_
     assert figures["rpo_steps_lost"] == 10 and figures["rpo_dataset_age_s"] is not None
     assert report_path(settings.private_root, "drill-1").is_file()
     # Nothing of the drill touched the replicated sets: the DR store still reconciles with no drift.
-    from hybridflow.dr.reconcile import reconcile
+    from hybridflow.dr.replication.reconcile import reconcile
     from hybridflow.placement.places import cache_store_spec
     from hybridflow.storage.objectstore import open_store
 
     assert reconcile(open_store(cache_store_spec(estate.clusters["dr-west"]))).drift == []
 
 
+def test_a_declaration_whose_drain_fails_is_failed_back_leaving_the_primary_up(tmp_path: Path, rclone_s3,
+                                                                                monkeypatch) -> None:
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.dr.fencing.drain import DrainIncomplete
+    from hybridflow.storage.s3 import S3ObjectStore
+
+    endpoint, access, secret, _data_dir = rclone_s3
+    bucket = f"hf-drill-{os.getpid()}-{tmp_path.name[-12:]}".lower().replace("_", "-")
+    dr = S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret)
+    dr.ensure_bucket()
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", airflow_conn_uri(access, secret, endpoint))
+    settings = Settings(home=tmp_path / "home", config_dir=_config(tmp_path, bucket))
+    estate = load_estate(settings.config_dir, use_cache=False)
+    # The DR store holds the run's checkpoint, and a model manifest cut short; the gateway serves digits.
+    dr.put_bytes(f"checkpoints/{RUN}/step-10/MANIFEST.json", b"{}")
+    dr.put_bytes("models/digits/v1/MANIFEST.json", b'{"version": "v1", "objects": [')
+    edir = settings.state_dir / "serving" / "digits"
+    edir.mkdir(parents=True)
+    (edir / "active.json").write_text(json.dumps({"version": "v1", "url": "http://127.0.0.1:9"}))
+
+    plan = drills.make_plan(estate, "drill-3", {})
+    with pytest.raises(DrainIncomplete, match=r"endpoint digits: JSONDecodeError"):
+        drills.declare(plan, estate, settings, by="ops")
+    fence = state_path(settings.state_dir)
+    assert down_clusters(fence)["onprem-a"]["reason"].startswith("dr drill drill-3")
+    # fail_back (it runs whatever happened before) lifts the drill's fence: the primary is not left down.
+    back = drills.fail_back(plan, estate, settings, by="ops")
+    assert back["failback"]["primary_up"]["changed"] and "onprem-a" not in down_clusters(fence)
+    assert [e["event"] for e in read_fence(fence)["history"]] == ["down", "up"]
+    with pytest.raises(DrillError, match=r"^declare_down: drill drill-3 did not declare onprem-a down "
+                                         r"\(DrainIncomplete: onprem-a is declared down"):
+        drills.finish(plan, estate, settings)
+
+
 def test_the_dag_steps_fail_without_retry_naming_the_param_and_a_drill_never_declared_keeps_no_report(
         tmp_path: Path, monkeypatch) -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.drill_task import declare_task, fail_back_task, judge_task
+    from hybridflow.dr.drills.task import declare_task, fail_back_task, judge_task
 
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(SHIPPED))

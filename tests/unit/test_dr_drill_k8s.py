@@ -16,10 +16,10 @@ from tests.support.dr_drill_k8s import KUBERNETES_DR, POOL, SERVING_NS, dr_simul
 from tests.unit.test_dr_drill import RUN, _config, _primary_with_replicas, ledger  # noqa: F401 - ledger: a fixture
 
 from hybridflow.config import load_estate
-from hybridflow.dr import drill as drills
-from hybridflow.dr.drill_report import DrillError, read_report
-from hybridflow.dr.drill_takeover import gang_name, start_training
-from hybridflow.dr.fencing import down_clusters, state_path
+from hybridflow.dr.drills import drill as drills
+from hybridflow.dr.drills.report import DrillError, read_report
+from hybridflow.dr.drills.takeover import gang_name, start_training
+from hybridflow.fencing import down_clusters, state_path
 from hybridflow.settings import Settings
 
 NS = "hybridflow"
@@ -61,7 +61,7 @@ def _primary_up_afterwards(request):
     yield
     if "primary" not in request.fixturenames:
         return
-    from hybridflow.dr.fencing import declare_up
+    from hybridflow.dr.fencing.failback import declare_up
 
     settings = request.getfixturevalue("primary").settings
     path = state_path(settings.state_dir)
@@ -167,7 +167,7 @@ def test_a_kubernetes_dr_cluster_is_refused_by_name_where_a_drill_cannot_run_the
         drills.make_plan(estate, "d", {"workers": 3}, dr_spec=object())
     with dr_simulator(monkeypatch, tmp_path, queues=("search",)) as dr:
         from hybridflow.backends import gang_backend
-        from hybridflow.dr.drill_takeover import _kubernetes_launch
+        from hybridflow.dr.drills.takeover import _kubernetes_launch
 
         backend = gang_backend(estate.clusters["dr-west"], estate, settings.state_dir)
         with pytest.raises(DrillError, match=r"^dr_cluster: dr-west has no volcano Queue 'perception' \(team "

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from hybridflow.dr.drill_ledger import drill_history, record_drill
-from hybridflow.dr.drill_report import Targets
+from hybridflow.dr.drills.ledger import drill_history, record_drill
+from hybridflow.dr.drills.report import Targets
 from hybridflow.ledger import upgrade
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from hybridflow.dr.drill_report import Targets, history, report_path, update_report
+from hybridflow.dr.drills.report import Targets, history, report_path, update_report
 from hybridflow.ui.drills import add_drill_pages
 
 

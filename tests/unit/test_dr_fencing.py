@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,20 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.admission import AdmittedRun
 from hybridflow.config import Estate, load_estate
-from hybridflow.dr.fencing import (
-    FencingError,
-    declare_down,
-    declare_up,
-    down_clusters,
-    fence_status,
-    read_fence,
-)
-from hybridflow.dr.fencing_drain import fence_and_drain
+from hybridflow.dr.fencing.drain import fence_and_drain
+from hybridflow.dr.fencing.failback import declare_up
 from hybridflow.errors import PlacementError
+from hybridflow.fencing import FencingError, declare_down, down_clusters, fence_status, read_fence
 from hybridflow.placement import PlacementDecision, choose_cluster
 from hybridflow.placement.takeover import PlacementHeld, Takeover
+from hybridflow.request import AdmittedRun
 from hybridflow.settings import REPO_ROOT
 
 SHIPPED = REPO_ROOT / "config"
@@ -263,7 +258,7 @@ def test_the_command_fences_places_and_fails_back(tmp_path: Path, monkeypatch, c
 def test_the_dag_s_task_declares_as_the_triggering_user_and_fails_bad_params(tmp_path: Path, monkeypatch) -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.fencing_task import fence_task
+    from hybridflow.dr.fencing.task import fence_task
 
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(_config(tmp_path)))
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
@@ -278,3 +273,154 @@ def test_the_dag_s_task_declares_as_the_triggering_user_and_fails_bad_params(tmp
     assert out["changed"] and down_clusters(path)["onprem-a"]["by"] == "alice"
     assert fence_task({"action": "up", "cluster": "onprem-a"}, by="alice")["record"]["by"] == "alice"
     assert down_clusters(path) == {}
+
+
+# -- a drain that fails half way: kept, named, resumed by a rerun --------------------------------
+class _Cluster(_Backend):
+    """A backend whose stopped gangs are gone, as on a real cluster: a second drain finds none."""
+
+    def stop(self, name: str, reason: str) -> bool:
+        self.gangs.remove(name)
+        return super().stop(name, reason)
+
+
+def _gateway_endpoints(state: Path, *names: str) -> None:
+    """Endpoints the model gateway serves for the primary (their server's address is never asked:
+    the failover reads the DR store first)."""
+    for name in names:
+        (state / "serving" / name).mkdir(parents=True)
+        (state / "serving" / name / "active.json").write_text(json.dumps({"version": "v1", "url": "http://127.0.0.1:9"}))
+
+
+def test_a_drain_that_fails_is_kept_named_and_resumed_by_a_rerun(estate: Estate, tmp_path: Path) -> None:
+    from hybridflow.dr.fencing.drain import DrainIncomplete
+    from hybridflow.storage.objectstore import StoreSpec
+
+    state, store = tmp_path / "state", tmp_path / "dr-store"
+    _gateway_endpoints(state, "aaa", "digits")
+    corrupt = store / "models" / "aaa" / "v1" / "MANIFEST.json"
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_text('{"version": "v1", "objects": [')  # cut short
+    backend, spec = _Cluster(["train-a"]), StoreSpec(kind="local", root=str(store))
+
+    def down() -> dict:
+        return fence_and_drain("onprem-a", REASON, estate=estate, state_dir=state, backend_factory=lambda *_: backend,
+                               dr_spec=spec)
+
+    with pytest.raises(DrainIncomplete) as failed:
+        down()
+    message = str(failed.value)
+    assert "onprem-a is declared down (no new placements), but its drain did not complete" in message
+    assert "endpoint aaa: JSONDecodeError" in message
+    assert f"run `hybridflow cluster down onprem-a --reason '{REASON}'` again" in message
+    # The fence stands and the drain is kept with it, every part done but the failed one.
+    drain = down_clusters(state / "fencing.json")["onprem-a"]["drain"]
+    assert drain["complete"] is False and drain["failures"] == failed.value.failures
+    assert drain["gangs"]["stopped"] == ["train-a"]
+    assert drain["serving"]["endpoints"]["aaa"]["state"] == "failed"
+    assert drain["serving"]["endpoints"]["digits"]["state"] == "not moved"  # the next endpoint was still tried
+    assert failed.value.out["record"]["drain"] == drain
+
+    corrupt.unlink()  # the manifest repaired (here: no model of aaa replicated any more)
+    again = down()
+    assert not again["changed"] and again["record"]["drain"]["complete"] is True
+    assert again["record"]["drain"]["serving"]["endpoints"]["aaa"]["state"] == "not moved"
+    assert len(backend.stopped) == 1  # the gang was stopped once
+    kept = down_clusters(state / "fencing.json")["onprem-a"]
+    assert kept["drain"] == again["record"]["drain"] and kept["reason"] == REASON
+    third = down()  # drained completely: nothing is drained again
+    assert third["record"]["drain"]["at"] == kept["drain"]["at"]
+    assert [e["event"] for e in read_fence(state / "fencing.json")["history"]] == ["down"]
+
+
+def _printed(stdout: str) -> dict:
+    """The command's JSON on stdout (Airflow's Connection look-up logs there too)."""
+    return json.loads(re.search(r"^\{$.*^\}$", stdout, re.M | re.S).group(0))
+
+
+def test_the_command_exits_4_naming_a_store_error_and_a_rerun_completes_the_drain(
+        tmp_path: Path, monkeypatch, capsys, rclone_s3) -> None:
+    from hybridflow.cli import main
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.storage.s3 import S3ObjectStore
+
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(_config(tmp_path)))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    _gateway_endpoints(tmp_path / "home" / "state", "digits")
+    # The DR store does not answer: the failover's first read of it raises a botocore error.
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", "aws://key:secret@?endpoint_url=http%3A%2F%2F127.0.0.1%3A9")
+    assert main(["cluster", "down", "onprem-a", "--reason", REASON, "--by", "ops"]) == 4
+    out = capsys.readouterr()
+    assert "hybridflow cluster down: onprem-a is declared down (no new placements), but its drain did not " \
+           "complete" in out.err and "endpoint digits: EndpointConnectionError" in out.err
+    assert f"run `hybridflow cluster down onprem-a --reason '{REASON}'` again" in out.err
+    assert main(["cluster", "status"]) == 0
+    assert _printed(capsys.readouterr().out)["clusters"]["onprem-a"]["down"]["drain"]["complete"] is False
+
+    endpoint, access, secret, _ = rclone_s3  # the DR store answers again
+    S3ObjectStore("hf-dr-west", endpoint_url=endpoint, access_key=access, secret_key=secret).ensure_bucket()
+    monkeypatch.setenv("AIRFLOW_CONN_HYBRIDFLOW_DR_WEST", airflow_conn_uri(access, secret, endpoint))
+    assert main(["cluster", "down", "onprem-a", "--reason", "a second reason"]) == 0
+    record = _printed(capsys.readouterr().out)["record"]
+    assert record["reason"] == REASON and record["by"] == "ops"  # the first declaration stands
+    assert record["drain"]["complete"] is True
+    assert record["drain"]["serving"]["endpoints"]["digits"]["reason"].startswith("no model of digits is replicated")
+
+
+# -- the fence file: durable, and never read as "no cluster is down" -----------------------------
+def test_each_fence_write_reaches_the_disk_before_and_after_the_rename(estate: Estate, fence: Path,
+                                                                        monkeypatch) -> None:
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def spy_replace(src, dst) -> None:
+        events.append(("replace", f"{src} -> {dst}"))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    declare_down("onprem-a", REASON, estate=estate, path=fence)
+    tmp = fence.with_suffix(f".tmp{os.getpid()}")
+    assert events == [("fsync", str(tmp)), ("replace", f"{tmp} -> {fence}"), ("fsync", str(fence.parent))]
+    events.clear()
+    declare_up("onprem-a", estate=estate, path=fence)
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"] and down_clusters(fence) == {}
+
+
+@pytest.mark.parametrize("damage, what", [
+    (lambda p: p.write_text(""), "is empty"),
+    (lambda p: p.write_text('{"down": {"onprem-a": {"reason": "pow'), "is not valid JSON"),
+    (lambda p: p.write_text("[]"), "is not a fence"),
+    (lambda p: p.mkdir(), "cannot be read (IsADirectoryError"),
+], ids=["empty", "cut-short", "not-a-fence", "unreadable"])
+def test_an_empty_or_unreadable_fence_is_an_error_naming_the_file_never_no_cluster_down(
+        tmp_path: Path, monkeypatch, capsys, run_for, damage, what) -> None:
+    from hybridflow.backends.base import ClusterLoad
+    from hybridflow.cli import main
+    from hybridflow.placement import place
+
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(_config(tmp_path)))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    path = tmp_path / "home" / "state" / "fencing.json"
+    path.parent.mkdir(parents=True)
+    damage(path)
+    expected = rf"the fence file {path} {re.escape(what)}.*so which clusters are declared down is unknown"
+    with pytest.raises(FencingError, match=expected) as refused:
+        down_clusters(path)
+    assert f"mv {path} {path}.bad" in str(refused.value)
+    estate = load_estate(tmp_path / "config", use_cache=False)
+    loads = {n: ClusterLoad(n, c.total_gpus) for n, c in estate.clusters.items()}
+    with pytest.raises(FencingError, match=expected):  # placement does not guess that onprem-a is up
+        place(run_for(estate, priority="critical"), estate, loads)
+    assert main(["cluster", "status"]) == 2
+    assert re.search(expected, capsys.readouterr().err)
+    assert main(["cluster", "down", "onprem-a", "--reason", REASON]) == 2  # nothing written over the damage
+    capsys.readouterr()
+    with pytest.raises(FencingError, match=expected):
+        down_clusters(path)

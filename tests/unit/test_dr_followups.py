@@ -17,10 +17,11 @@ import pytest
 import yaml
 from tests.support.k8s_config import as_kubernetes
 
-from hybridflow.admission import AdmittedRun
 from hybridflow.config import Cluster, Estate, load_estate
-from hybridflow.dr.fencing import declare_down, declare_up, state_path
+from hybridflow.dr.fencing.failback import declare_up
 from hybridflow.errors import AdmissionError, ConfigError, PlacementError
+from hybridflow.fencing import declare_down, state_path
+from hybridflow.request import AdmittedRun
 from hybridflow.settings import REPO_ROOT, get_settings
 
 REASON = "power loss in dc-1"
@@ -109,9 +110,9 @@ def _dr_replicate_problems(estate: Estate, check, replicate: dict) -> list[str]:
 
 def test_the_replication_task_copies_what_dr_replicate_names(tmp_path: Path, home: Path, monkeypatch,
                                                              caplog) -> None:
-    import hybridflow.dr.readiness as readiness
-    import hybridflow.dr.replication as replication
-    from hybridflow.dr.task import replication_task
+    import hybridflow.dr.replication.readiness as readiness
+    import hybridflow.dr.replication.replicate as replication
+    from hybridflow.dr.replication.task import replication_task
 
     _estate(tmp_path, monkeypatch, _dr(dr={"min_gpus": 2, "replicate": {"endpoints": ["digits", "breast-cancer"],
                                                                          "datasets": ["breast-cancer"]}}))
@@ -139,6 +140,7 @@ def test_the_replication_task_copies_what_dr_replicate_names(tmp_path: Path, hom
 def test_admission_does_not_refuse_a_critical_run_the_dr_pool_takes(tmp_path: Path, home: Path,
                                                                     monkeypatch) -> None:
     import hybridflow.conncheck as conncheck
+    from hybridflow.placement.decide import eligible
 
     estate = _estate(tmp_path, monkeypatch, kubernetes_primary=True)
     probed: list[str] = []
@@ -152,7 +154,7 @@ def test_admission_does_not_refuse_a_critical_run_the_dr_pool_takes(tmp_path: Pa
     with pytest.raises(AdmissionError, match="no cluster this run may use can be reached"):
         conncheck.check_connections(run, estate)
     _down(estate)
-    assert [c.name for c in conncheck.candidate_clusters(run, estate)] == ["dr-west"]
+    assert [c.name for c in eligible(run, estate)] == ["dr-west"]
     assert conncheck.check_connections(run, estate) == []
     assert probed == ["onprem-a"]  # the fenced primary is asked no more
 
@@ -184,9 +186,9 @@ def test_a_kubernetes_gang_deleted_by_the_fence_stops_the_task_without_a_retry(t
                                                                                monkeypatch) -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.admission import RunRequest
     from hybridflow.backends.local import GangFailed
     from hybridflow.operators.train import GangTrainOperator
+    from hybridflow.request import RunRequest
 
     estate = _estate(tmp_path, monkeypatch)
     op = GangTrainOperator(task_id="train", run={}, placement={}, staged={})
@@ -215,13 +217,18 @@ def _first_event(trigger) -> dict:
     return asyncio.run(first())
 
 
-@pytest.mark.parametrize(("elsewhere", "status", "state"), [(None, "expired", "fenced"),
-                                                            ("cloud-east", "room_elsewhere", "moved")])
+@pytest.mark.parametrize(("elsewhere", "state"), [(None, "fenced"), ("cloud-east", "moved")])
 def test_a_gang_waiting_in_a_fenced_queue_is_withdrawn_not_admitted(tmp_path: Path, home: Path, monkeypatch,
-                                                                    elsewhere, status, state) -> None:
+                                                                    elsewhere, state) -> None:
+    """The trigger sees the fence and hands back to the task without admitting or withdrawing
+    anything; the task asks placement, withdraws the gang's ticket and moves it, or fails naming the fence."""
+    from airflow.sdk.exceptions import AirflowFailException
+
     import hybridflow.queueing as queueing
+    import hybridflow.training.failover as failover
     from hybridflow.backends import gang_backend
     from hybridflow.backends.base import GangJob
+    from hybridflow.operators.train import GangTrainOperator
 
     estate = _estate(tmp_path, monkeypatch)
     backend = gang_backend(estate.clusters["onprem-a"], estate, get_settings().state_dir)
@@ -230,15 +237,29 @@ def test_a_gang_waiting_in_a_fenced_queue_is_withdrawn_not_admitted(tmp_path: Pa
     assert not backend.admit_step(gang)  # queued behind the busy gang
     _down(estate)
     backend.pool.release("busy")  # room now, but the cluster is fenced
-    monkeypatch.setattr(queueing, "room_elsewhere", lambda run, placement, cluster: elsewhere)
+    queued_since = time.time()
     trigger = queueing.QueueWaitTrigger(
         kind="slots", cluster="onprem-a", job={"name": "train-r1", "workers": 2, "priority": "normal",
                                                "team": "perception", "team_cap": None},
-        run={"run_key": "r1"}, placement={"cluster": "onprem-a"}, queued_since=time.time(),
-        max_wait_s=3600, recheck_s=3600, poll_s=0.01)
+        run={"run_key": "r1"}, queued_since=queued_since, max_wait_s=3600, recheck_s=3600, poll_s=0.01)
     event = _first_event(trigger)
-    assert event["status"] == status
-    assert f"onprem-a is declared down ({REASON})" in event["message"]
+    assert event["status"] == "fenced"
+    assert f"onprem-a, which is declared down ({REASON})" in event["message"]
+    assert (backend.load().used, list(backend.pool.waiting())) == (0, ["train-r1"])  # the trigger changed nothing
+
+    moved = ({"cluster": elsewhere}, {"source": {}}) if elsewhere else None
+    monkeypatch.setattr(failover, "fail_over", lambda run, placement, cluster, reason, settings: moved)
+    run = {**_run().to_xcom(), "run_key": "r1"}
+    op = GangTrainOperator(task_id="train", run=run, placement={}, staged={})
+    trained: list = []
+    monkeypatch.setattr(op, "_train_with_failover", lambda *args: trained.append(args[3]["cluster"]) or {})
+    kwargs = {"placement": {"cluster": "onprem-a"}, "staged": {}, "queued_since": queued_since}
+    if elsewhere:
+        op.resume_after_wait({}, event=event, **kwargs)
+        assert trained == [elsewhere]
+    else:
+        with pytest.raises(AirflowFailException, match=r"^not started: cluster onprem-a is declared down"):
+            op.resume_after_wait({}, event=event, **kwargs)
     load = backend.load()
     assert (load.used, load.queued) == (0, 0)  # neither admitted there nor still queueing
     assert queueing.read_standing(get_settings().private_root, "r1")["state"] == state

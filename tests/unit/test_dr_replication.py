@@ -17,10 +17,10 @@ from tests.unit.test_local_backend import _in_thread, _wait_for, fake_worker  # 
 
 from hybridflow.config import Estate, load_estate
 from hybridflow.datasets import pin_version
-from hybridflow.dr.readiness import check_readiness
-from hybridflow.dr.reconcile import reconcile
-from hybridflow.dr.replication import healthy_sources, replicate
-from hybridflow.dr.scope import CriticalRun, NoDrCluster, ReplicationError
+from hybridflow.dr.replication.readiness import check_readiness
+from hybridflow.dr.replication.reconcile import reconcile
+from hybridflow.dr.replication.replicate import healthy_sources, replicate
+from hybridflow.dr.replication.scope import CriticalRun, NoDrCluster, ReplicationError
 from hybridflow.errors import ConfigError
 from hybridflow.settings import REPO_ROOT, Settings
 from hybridflow.storage.objectstore import LocalObjectStore
@@ -298,7 +298,7 @@ def test_missing_connections_and_image_are_named_with_their_fix(tmp_path: Path) 
 
 def test_the_tasks_succeed_without_side_effects_when_no_dr_cluster_is_configured(tmp_path: Path,
                                                                                 monkeypatch) -> None:
-    from hybridflow.dr.task import reconciliation_task, replication_task
+    from hybridflow.dr.replication.task import reconciliation_task, replication_task
 
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(SHIPPED))
@@ -342,7 +342,7 @@ def test_the_dag_tasks_replicate_into_the_dr_cluster_s_s3_store_through_its_conn
         tmp_path: Path, home: Home, rclone_s3, monkeypatch) -> None:
     """The embedded default's shape: the DR store is an S3 endpoint reached through an Airflow Connection."""
     from hybridflow.devenv.rclone import airflow_conn_uri
-    from hybridflow.dr.task import DrNotReady, reconciliation_task, replication_task
+    from hybridflow.dr.replication.task import DrNotReady, reconciliation_task, replication_task
     from hybridflow.storage.s3 import S3ObjectStore
 
     endpoint, access, secret, data_dir = rclone_s3
@@ -376,7 +376,7 @@ def test_the_dag_tasks_replicate_into_the_dr_cluster_s_s3_store_through_its_conn
 
 
 def test_objects_bigger_than_one_read_are_checked_in_ranges(estate: Estate, home: Home, monkeypatch) -> None:
-    import hybridflow.dr.replicas as replicas
+    import hybridflow.dr.replication.replicas as replicas
 
     monkeypatch.setattr(replicas, "CHUNK", 5)  # every object here spans several reads
     home.pin()

@@ -26,10 +26,10 @@ from urllib3.exceptions import MaxRetryError, NewConnectionError
 
 from hybridflow.bundle import read_card
 from hybridflow.config import Estate, load_estate
-from hybridflow.dr.drill_replicas import fetch_bundle, model_manifests
-from hybridflow.dr.readiness import check_readiness
-from hybridflow.dr.replication import replicate
-from hybridflow.dr.scope import ReplicationError, scope_of
+from hybridflow.dr.drills.replicas import fetch_bundle, model_manifests
+from hybridflow.dr.replication.readiness import check_readiness
+from hybridflow.dr.replication.replicate import replicate
+from hybridflow.dr.replication.scope import ReplicationError, scope_of
 from hybridflow.serving.k8s import publish_model
 from hybridflow.serving.k8s_manifests import Release
 from hybridflow.settings import REPO_ROOT, Settings
@@ -326,7 +326,7 @@ def test_a_version_in_several_variants_is_replicated_as_it_serves(primary, tmp_p
 
 
 def test_configured_endpoints_are_the_ones_published_on_the_models_volume(primary):
-    from hybridflow.dr.task import configured_scope
+    from hybridflow.dr.replication.task import configured_scope
 
     primary.publish("v1")
     doc = yaml.safe_load((primary.tmp / "config" / "clusters.yaml").read_text())
@@ -374,7 +374,7 @@ def test_a_pass_finds_critical_training_running_on_a_kubernetes_cluster(tmp_path
     from hybridflow.backends.base import GangJob
     from hybridflow.backends.k8s.manifests import gang_job_name
     from hybridflow.devenv.rclone import airflow_conn_uri
-    from hybridflow.dr.layout import checkpoint_prefix
+    from hybridflow.dr.replication.layout import checkpoint_prefix
     from hybridflow.placement.places import checkpoint_store_spec
     from hybridflow.storage.objectstore import open_store
     from hybridflow.storage.s3 import S3ObjectStore

@@ -20,9 +20,10 @@ from tests.support.deploy_settings import quick_serving
 from tests.support.serving import INT_DIGITS, http_call, predict_url, start_server, stop_process
 
 from hybridflow.config import load_estate
-from hybridflow.dr.fencing import declare_up, down_clusters, read_fence
-from hybridflow.dr.fencing_drain import fence_and_drain
-from hybridflow.dr.serving_failover import fail_over, stop_server
+from hybridflow.dr.failover.serving import fail_over, stop_server
+from hybridflow.dr.fencing.drain import fence_and_drain
+from hybridflow.dr.fencing.failback import declare_up
+from hybridflow.fencing import down_clusters, read_fence
 from hybridflow.serving.processes import alive
 from hybridflow.serving.router import pick_backend
 from hybridflow.settings import REPO_ROOT
@@ -59,8 +60,8 @@ def _config(folder: Path, port: int, **gate) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """digits v1 served behind the gateway for the primary, its bundle replicated to a DR store."""
-    from hybridflow.dr.replicas import replicate_set
-    from hybridflow.dr.sources import model_set
+    from hybridflow.dr.replication.replicas import replicate_set
+    from hybridflow.dr.replication.sources import model_set
     from hybridflow.serving.deploy import stop_gateway
     from hybridflow.serving.gateway import ensure_gateway
     from hybridflow.storage.objectstore import LocalObjectStore
@@ -128,7 +129,7 @@ def _fence(served) -> Path:
 
 
 def test_the_local_gateway_stands_for_the_one_private_primary(tmp_path: Path) -> None:
-    from hybridflow.dr.serving_failover import serving_cluster
+    from hybridflow.dr.failover.serving import serving_cluster
 
     config = _config(tmp_path, 8790)
     assert serving_cluster(load_estate(config, use_cache=False))[0] == PRIMARY
@@ -223,7 +224,7 @@ def test_up_with_a_primary_that_fails_the_gate_keeps_serving_on_dr_and_a_later_u
     # The cluster_fence DAG's task, run again with the same bars, retries and fails naming why.
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.fencing_task import fence_task
+    from hybridflow.dr.fencing.task import fence_task
 
     with pytest.raises(AirflowFailException, match=r"serving stays on the disaster-recovery side: .*serving.gate.p99_ms"):
         fence_task({"action": "up", "cluster": PRIMARY}, by="ops")
@@ -279,3 +280,35 @@ def test_stopping_an_endpoint_stops_its_dr_side_server_too(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_endpoint_that_fails_over_with_an_error_leaves_the_others_moved_and_a_rerun_retries_it(primary) -> None:
+    from hybridflow.dr.fencing.drain import DrainIncomplete
+
+    # A DR store whose replica of another endpoint, listed before digits, has a manifest cut short.
+    store = primary["base"] / "dr-store-corrupt"
+    shutil.rmtree(store, ignore_errors=True)
+    shutil.copytree(primary["dr_spec"].root, store)
+    corrupt = store / "models" / "aaa" / "v1" / "MANIFEST.json"
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_text('{"version": "v1", "objects": [')
+    other = primary["edir"].parent / "aaa"
+    other.mkdir()
+    (other / "active.json").write_text(json.dumps({"version": "v1", "url": "http://127.0.0.1:9"}))
+    spec = StoreSpec(kind="local", root=str(store))
+    try:
+        with pytest.raises(DrainIncomplete, match=r"endpoint aaa: JSONDecodeError") as failed:
+            _down(primary, dr_spec=spec)
+        serving = failed.value.out["record"]["drain"]["serving"]
+        moved = serving["endpoints"]["digits"]
+        assert serving["endpoints"]["aaa"]["state"] == "failed" and moved["state"] == "on dr"
+        assert _through_gateway(primary) == {(200, "v1")}  # digits answers from the DR side meanwhile
+        assert down_clusters(_fence(primary))[PRIMARY]["drain"]["complete"] is False
+
+        corrupt.unlink()
+        again = _down(primary, dr_spec=spec)["record"]["drain"]
+        assert again["complete"] and again["serving"]["endpoints"]["aaa"]["state"] == "not moved"
+        assert again["serving"]["endpoints"]["digits"]["dr"]["pid"] == moved["dr"]["pid"]  # not started twice
+        assert again["serving"]["endpoints"]["digits"]["note"] == "served on the DR side already"
+    finally:
+        shutil.rmtree(other)

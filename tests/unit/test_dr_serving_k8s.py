@@ -16,10 +16,11 @@ from tests.support.dr_k8s import DR, DR_NS, PRIMARY
 from tests.support.serving import INT_DIGITS, http_call, predict_url
 
 from hybridflow.config import load_estate
-from hybridflow.dr.fencing import declare_up, down_clusters, serving_stayed, state_path
-from hybridflow.dr.fencing_drain import fence_and_drain
-from hybridflow.dr.serving_failover import fail_over
+from hybridflow.dr.failover.serving import fail_over
+from hybridflow.dr.fencing.drain import fence_and_drain
+from hybridflow.dr.fencing.failback import declare_up
 from hybridflow.errors import ConfigError
+from hybridflow.fencing import down_clusters, serving_stayed, state_path
 from hybridflow.storage.objectstore import StoreSpec
 
 REASON = "power loss in dc-1"
@@ -138,7 +139,7 @@ def test_no_replica_leaves_the_endpoint_not_moved_and_the_fence_standing(tmp_pat
 
 
 def test_a_dr_cluster_without_dr_serving_moves_nothing_and_names_the_fix(tmp_path, monkeypatch, digits) -> None:
-    from hybridflow.dr.serving_k8s import dr_target
+    from hybridflow.dr.failover.serving_k8s import dr_target
 
     sims = dr_k8s.clusters(monkeypatch, tmp_path)
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
@@ -159,7 +160,7 @@ def test_a_dr_cluster_without_dr_serving_moves_nothing_and_names_the_fix(tmp_pat
 
 
 def test_the_deployment_kind_targets_the_dr_pool(tmp_path) -> None:
-    from hybridflow.dr.serving_k8s import dr_target
+    from hybridflow.dr.failover.serving_k8s import dr_target
     from hybridflow.serving.k8s import KubernetesTarget
 
     est = load_estate(dr_k8s.write_config(tmp_path, kind="deployment"), use_cache=False)
@@ -281,7 +282,7 @@ def test_the_deployment_kind_fails_over_by_readiness_and_back(tmp_path, monkeypa
 
 
 def test_start_on_dr_replaces_another_version_and_stop_on_dr_removes_it(estate, digits) -> None:
-    from hybridflow.dr.serving_k8s import start_on_dr, stop_on_dr
+    from hybridflow.dr.failover.serving_k8s import start_on_dr, stop_on_dr
 
     dr_k8s.replicate(estate.base / "dr-store", "digits", "v2", digits.bundles["v2"], "digits-mlp")
     dr, scratch = estate.estate.clusters[DR], estate.base / "scratch-dr" / "serving"

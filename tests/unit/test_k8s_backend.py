@@ -11,7 +11,8 @@ import time
 import pytest
 from tests.support.k8s_sim import SimCluster, install
 
-from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
+from hybridflow.backends.errors import PreemptionBudgetSpent
+from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import GANG_LABEL, gang_job_name
 from hybridflow.backends.k8s.trigger import GangJobTrigger
 from hybridflow.backends.local import GangFailed, GangJob, GangNotAdmitted
@@ -314,3 +315,31 @@ def test_trigger_turns_api_errors_and_failures_into_events(sim):
     with pytest.raises(GangFailed):
         _backend("volcano").on_event(gone)
 
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_a_missing_scratch_claim_is_refused_before_anything_is_created(sim, scheduler):
+    """A real scheduler never places a pod whose PersistentVolumeClaim is missing (it stays Pending, said
+    only in events); the backend refuses the gang at submit, naming the claim, the namespace and the fix."""
+    cluster = _cluster(scheduler).model_copy(update={"scratch_claim": "team-scratch", "scratch_dir": "/scratch"})
+    cluster._name = "cloud-east"
+    backend = KubernetesGangBackend(cluster, image="ghcr.io/example/trainer:1.0")
+    job = _job(2)
+    sim.claims = set()
+    with pytest.raises(GangError, match=r"clusters.cloud-east.scratch_claim: no PersistentVolumeClaim 'team-scratch' "
+                                        r"in namespace 'hybridflow'.*create the claim there.*nothing was submitted"):
+        backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert not [c for c in sim.calls if c.startswith("create")] and not sim.secrets
+    sim.claims = {(NS, "team-scratch")}  # the admins made it: the same gang goes in
+    submitted = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    assert submitted.created and (NS, f"{job.name}-env") in sim.secrets
+
+
+def test_the_clusters_nccl_interface_goes_into_the_gang_spec():
+    cluster = _cluster("kueue")
+    assert KubernetesGangBackend(cluster, image="t:1").gang_spec(_job(2), pool="h100", queue="q").nccl_socket_ifname \
+        is None
+    cluster = cluster.model_copy(update={"nccl_socket_ifname": "eth0"})
+    cluster._name = "cloud-east"
+    spec = KubernetesGangBackend(cluster, image="t:1").gang_spec(_job(2), pool="h100", queue="q")
+    assert spec.nccl_socket_ifname == "eth0"

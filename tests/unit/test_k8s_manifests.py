@@ -191,3 +191,36 @@ def test_the_job_its_pods_and_its_secret_name_their_owner_for_the_reaper(schedul
         assert (found.dag_id, found.run_id, found.task_id, found.try_number) == (
             "hybrid_training", "manual__2026-12-05T09:00:00+00:00", "train", 2)
     assert "annotations" not in gang_manifest(_spec(), scheduler)["metadata"]  # no owner, no annotations
+
+
+def _env(job: dict) -> dict:
+    tasks = job["spec"].get("tasks") or [{"template": job["spec"]["template"]}]
+    envs = [{e["name"]: e.get("value", e.get("valueFrom")) for e in t["template"]["spec"]["containers"][0]["env"]}
+            for t in tasks]
+    assert all(e == envs[0] for e in envs)  # master and workers alike
+    return envs[0]
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_every_pod_is_told_to_use_its_gpus_one_rank_per_pod(scheduler):
+    env = _env(gang_manifest(_spec(), scheduler))
+    assert (env["HYBRIDFLOW_DEVICE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("cuda", "0", "1")
+    assert "NCCL_SOCKET_IFNAME" not in env  # unset in clusters.yaml: NCCL chooses
+
+
+def test_kueue_pods_get_their_node_rank_from_the_completion_index():
+    job = kueue_job(_spec())
+    kubernetes_validate.validate(job, K8S, strict=True)
+    env = _env(job)
+    index = {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert env["RANK"] == env["GROUP_RANK"] == env["NODE_RANK"] == index
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (f"{job['metadata']['name']}-0.{job['metadata']['name']}",
+                                                       "23456")
+
+
+@pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
+def test_the_clusters_nccl_interface_reaches_every_pod(scheduler):
+    job = gang_manifest(_spec(nccl_socket_ifname="^lo,docker"), scheduler)
+    if scheduler == "kueue":
+        kubernetes_validate.validate(job, K8S, strict=True)
+    assert _env(job)["NCCL_SOCKET_IFNAME"] == "^lo,docker"

@@ -17,7 +17,8 @@ from tests.support.k8s_sim import SimCluster, install
 from tests.support.k8s_sim_preemption import evict_workload
 from tests.support.k8s_sim_queues import workload_of
 
-from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend, PreemptionBudgetSpent
+from hybridflow.backends.errors import PreemptionBudgetSpent
+from hybridflow.backends.k8s.backend import PENDING, SUCCEEDED, KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import gang_job_name
 from hybridflow.backends.local import GangFailed, GangJob
 

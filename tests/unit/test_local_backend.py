@@ -160,6 +160,29 @@ def test_gang_not_admitted_within_timeout(tmp_path):
     assert not any("s3cret" in line for line in lines)
 
 
+def test_a_gang_s_status_says_waiting_running_or_gone(tmp_path, monkeypatch):
+    import hybridflow.backends.local as local
+
+    backend = LocalGangBackend(tmp_path, "onprem-a", capacity=2)
+    assert backend.pool.try_acquire("someone-else", 2)
+    assert backend.status("train-r1").phase == "missing"
+    assert not backend.pool.try_acquire("train-r1", 2, queue=True)
+    assert backend.status("train-r1").phase == "pending"  # its ticket waits in the queue
+    backend.pool.withdraw("train-r1")
+    # A worker of the gang, as its launcher records it (the worker module on its command line).
+    monkeypatch.setattr(local, "WORKER_MODULE", "hf_status_probe")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "hf_status_probe"])
+    try:
+        record = backend.job_dir("train-r1") / "running.json"
+        record.parent.mkdir(parents=True)
+        record.write_text(json.dumps({"workers": [{"pid": worker.pid}]}))
+        assert _wait_for(lambda: backend.status("train-r1").phase == "running")
+    finally:
+        worker.kill()
+        worker.wait()
+    assert backend.status("train-r1").phase == "missing"  # how it ended is its launcher's to say
+
+
 def test_cancel_unknown_job_is_a_no_op(tmp_path):
     assert LocalGangBackend(tmp_path, "c", 1).cancel("nothing-here") is False
 

@@ -177,3 +177,39 @@ def test_liveness_readiness_metrics_and_the_open_inference_protocol(served):
     status, body, _ = http_call("POST", f"{base}/v2/models/digits/infer", {"inputs": [tensor]})
     assert status == 400 and "instances[0] column pixel_5" in body["error"]
     assert _metric(base, 'request_predict_seconds_count{model_name="digits"}') >= 2
+
+
+def test_kserve_model_repository_extension_is_not_served(served):
+    """KServe's load/unload routes take no credentials: an unload would leave the version up but empty."""
+    base, _, rows = served
+    for action in ("unload", "load"):
+        status, body, _ = http_call("POST", f"{base}/v2/repository/models/digits/{action}", raw=b"")
+        assert status == 404 and "repository extension is not served" in body["error"], (action, status, body)
+    assert http_call("GET", f"{base}/v2/repository/index")[0] == 404
+    status, body, _ = http_call("GET", f"{base}/healthz")
+    assert status == 200 and body["ready"] is True
+    assert http_call("GET", f"{base}/v2/models/digits/ready")[:2] == (200, {"name": "digits", "ready": True})
+    assert http_call("POST", predict_url(base, "digits"), {"instances": rows[:1]})[0] == 200
+
+
+def test_malformed_numbers_and_tensors_get_a_400_saying_what_to_fix(served):
+    base, _, rows = served
+    huge = "1" * 4301  # over Python's 4300-digit cap on reading an int
+    raw = ('{"instances": [[' + huge + ", " + ", ".join(map(str, rows[0][1:])) + "]]}").encode()
+    status, body, headers = http_call("POST", predict_url(base, "digits"), raw=raw)
+    assert status == 400 and headers["X-Model-Version"] == "v1", body
+    assert body["error"] == "body holds an integer of over 4300 digits; send each value as an ordinary JSON number"
+    infer = f"{base}/v2/models/digits/infer"
+    cases = [
+        ({"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [1, 2, 3, 4, 5]}, "is FP32 of shape [1, 5]"),
+        ({"name": "x", "shape": [1, 64], "datatype": "FP32", "data": [1, 2]}, "does not hold [1, 64] FP32 values"),
+        ({"name": "x", "shape": [1, 64], "datatype": "BYTES", "data": ["a"]}, "does not hold [1, 64] BYTES values"),
+        ({"name": "x", "shape": [64], "datatype": "FP32", "data": rows[0]}, "is FP32 of shape [64]"),
+    ]
+    for tensor, says in cases:
+        status, body, _ = http_call("POST", infer, {"inputs": [tensor]})
+        assert status == 400 and says in body["error"] and "shape [n, 64]" in body["error"], (tensor, body)
+    status, body, _ = http_call("POST", infer, raw=b'{"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", '
+                                                   b'"data": [' + huge.encode() + b"]}]}")
+    assert 400 <= status < 500, body
+    assert http_call("POST", predict_url(base, "digits"), {"instances": rows[:1]})[0] == 200

@@ -93,3 +93,31 @@ def test_a_gang_without_an_owner_is_kept(tmp_path, fake_worker):  # noqa: F811
     finally:
         backend.cancel("by-hand")
         thread.join(10)
+
+
+def test_queue_tickets_of_ended_runs_are_withdrawn_and_live_ones_kept(tmp_path):
+    """A gang's ticket keeps its place in the queue while its task waits (in the task or in the
+    triggerer); one left by a task that ended holds back every gang behind it, even in an empty pool."""
+    backend = LocalGangBackend(tmp_path / "state", "onprem-a", capacity=4)
+    assert backend.pool.try_acquire("busy", 4)
+    for run_id in ("done", "live"):
+        assert not backend.admit_step(GangJob(name=f"train-{run_id}", workers=4, spec={}, owner=_owner(run_id)))
+    backend.pool.release("busy")
+    small = GangJob(name="train-small", workers=1, spec={})
+    assert not backend.pool.try_acquire(small.name, small.workers)  # the pool is empty, yet it waits
+    finder = LocalGangFinder(backend)
+    states = RunStates({"done": ENDED, "live": ALIVE})
+    now = datetime.now(UTC)
+
+    dry = sweep([finder], states, dry_run=lambda _: True, now=now, clock=lambda: now)
+    assert [(r.leftover.kind, r.leftover.name, r.leftover.gpus) for r in dry.releases] == [
+        ("queue-ticket", "train-done", 0)]
+    assert dry.kept == 1 and set(backend.pool.waiting()) == {"train-done", "train-live"}
+
+    done = sweep([finder], states, dry_run=lambda _: False, now=now, clock=lambda: now)
+    assert [r.released for r in done.releases] == [True]
+    assert set(backend.pool.waiting()) == {"train-live"}
+    again = sweep([finder], states, dry_run=lambda _: False, now=now, clock=lambda: now)
+    assert again.releases == [] and again.kept == 1
+    finder.release(done.releases[0].leftover)  # withdrawn twice: harmless
+    assert set(backend.pool.waiting()) == {"train-live"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow import rundata
-from hybridflow.catalogue import DatasetEntry
+from hybridflow.config.catalogue import DatasetEntry
 from hybridflow.errors import DataValidationError
 
 LOG = logging.getLogger("test")

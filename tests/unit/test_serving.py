@@ -212,8 +212,62 @@ def test_a_failing_prediction_answers_500_and_the_server_keeps_serving(assets, t
     try:
         url = predict_url(base, "digits")
         status, body, _ = http_call("POST", url, {"instances": [[0] * 64]})
-        assert status == 500 and "out of memory" in body["error"]
+        # The client learns where to look, not the exception's text; the server's log has the cause.
+        assert status == 500 and body["error"] == "the model server failed to answer; its log has the cause"
+        assert "out of memory" not in json.dumps(body) and body["version"] == "t1"
         status, body, _ = http_call("POST", url, {"instances": [[0] * 64]})
         assert status == 200 and body["predictions"] == [0]
+    finally:
+        stop_process(proc)
+    log = (tmp_path / "digits-t1.log").read_text()
+    assert "prediction failed for digits version t1" in log and "RuntimeError: out of memory" in log
+
+
+UNREADY_SERVER = """
+import signal
+import sys
+
+from hybridflow.bundle import Predictor
+from hybridflow.serving import server
+
+model_class = server._model_class
+
+
+def on_signal_unready():
+    # The served model stops being ready on SIGUSR1 (as KServe's Model.ready would after a failure).
+    class Model(model_class()):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "ready", False))
+
+    return Model
+
+
+server._model_class = on_signal_unready
+args = server._parser().parse_args(sys.argv[1:])
+server.run_server(Predictor.load(args.bundle), args.endpoint, args.version, port=args.port,
+                  host=args.host, ready_file=args.ready_file)
+"""
+
+
+def test_health_answers_503_once_the_model_is_not_ready(assets, tmp_path):  # noqa: F811
+    import signal
+    import time
+
+    script = tmp_path / "unready_server.py"
+    script.write_text(textwrap.dedent(UNREADY_SERVER))
+    proc, base = start_server(assets["digits"]["v1"], "digits", "r1", tmp_path, script=script, wait_s=WAIT_S)
+    try:
+        status, body, _ = http_call("GET", f"{base}/healthz")
+        assert (status, body["status"], body["ready"], body["version"]) == (200, "ok", True, "r1")
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while (answer := http_call("GET", f"{base}/healthz"))[0] == 200:
+            assert time.monotonic() < deadline, "health stayed 200 for a model that is not ready"
+            time.sleep(0.05)
+        status, body, headers = answer
+        assert (status, body["status"], body["ready"], headers["X-Model-Version"]) == (503, "not ready", False, "r1")
+        assert http_call("GET", f"{base}/v1/models/digits")[1]["ready"] is False
+        assert http_call("GET", f"{base}/v2/models/digits/ready")[0] == 503  # KServe's own readiness agrees
     finally:
         stop_process(proc)

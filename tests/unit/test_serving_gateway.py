@@ -86,7 +86,7 @@ def test_gateway_without_backends(tmp_path):
         # A hand-edited active.json naming a non-loopback host is not followed.
         (tmp_path / "digits" / "active.json").write_text(json.dumps({"version": "x", "url": "http://10.0.0.1:80"}))
         status, body, _ = http_call("POST", predict_url(base, "digits"), {"instances": [[0] * 64]})
-        assert status == 503 and "127.0.0.1" in body["error"]
+        assert status == 503 and "names no backend the gateway may forward to" in body["error"]
         assert http_call("GET", f"{base}/healthz")[1]["endpoints"] == {"digits": None}
     finally:
         stop_process(proc)
@@ -133,6 +133,11 @@ def test_two_endpoints_deployed_at_once_share_one_gateway(assets, gateway):  # n
         digits, cancer = pool.map(lambda ev: _deploy(assets, gateway, *ev, log=messages.append),
                                   [("digits", "v1"), ("breast-cancer", "b1")])
     assert sum("started the model gateway" in m for m in messages) == 1
+    # The gateway holds requests to the model servers' bounds (serving.server).
+    gateway_pid = json.loads((state_root / "router.json").read_text())["pid"]
+    args = Path(f"/proc/{gateway_pid}/cmdline").read_bytes().decode().split("\0")
+    assert float(args[args.index("--max-body-mib") + 1]) == 8, args
+    assert float(args[args.index("--request-timeout-s") + 1]) == 10, args
     assert digits["endpoint_url"] == f"{base}/v1/models/digits" and digits["previous_version"] is None
     assert cancer["endpoint_url"] == f"{base}/v1/models/breast-cancer"
     assert digits["smoke_metric"]["name"] == "accuracy" and digits["smoke_metric"]["value"] >= 0.85

@@ -243,7 +243,9 @@ def test_redeploying_the_version_serving_changes_nothing(cluster, digits):
     after = _isvc(cluster)
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
     assert after["status"]["components"] == before["status"]["components"]
-    assert {call for call, _ in cluster.sim.requests[writes:]} == {"get_namespaced_custom_object"}
+    # Reads only: the InferenceService, and whether the cluster serves Knative (checked before anything).
+    assert {call for call, _ in cluster.sim.requests[writes:]} == {"get_namespaced_custom_object",
+                                                                   "list_namespaced_custom_object"}
 
 
 POOL_OBJ = InferencePool(endpoint="digits", namespace=NS, models_claim="private-models", replicas=3,
@@ -284,3 +286,26 @@ def test_the_kind_chooses_the_target_and_an_unknown_kind_is_refused_by_name():
     estate = SimpleNamespace(pipeline=SimpleNamespace(serving=ServingSettings()), clusters={})
     with pytest.raises(ConfigError, match=r"^serving.target: 'kserve' needs serving.kubernetes"):
         deploy_target(estate, "digits", state_dir=None, name="kserve")
+
+
+def test_a_cluster_without_knative_is_refused_before_anything_changes(tmp_path, monkeypatch, digits):
+    """KServe installed for Standard mode only: a Serverless InferenceService would never get a revision
+    (KServe logs a terminal error, the status stays Unknown), so the deploy stops at once, naming the
+    missing API and both fixes, with nothing published or created."""
+    models = tmp_path / "models"
+    sim = SimCluster({})
+    ctrl = attach(sim, models, tmp_path / "revisions", processes=False, knative=False)
+    serving = ServingSettings(kubernetes=KubernetesServing(**POOL, models_dir=str(models), kind="kserve"))
+    estate = SimpleNamespace(pipeline=SimpleNamespace(serving=serving), clusters={"dc2-k8s": private_h100_cluster("volcano")})
+    try:
+        with serve(monkeypatch, sim):
+            target = deploy_target(estate, "digits", state_dir=tmp_path / "state")
+            started = time.monotonic()
+            with pytest.raises(DeploymentError, match=r"cluster dc2-k8s serves no Knative Serving API "
+                                                      r"\(serving.knative.dev/v1\).*kind: deployment"):
+                roll(target, DeployRequest("v1", bundle_dir=digits.bundles["v1"], smoke=digits.smoke,
+                                           metric=digits.metric))
+            assert time.monotonic() - started < 10
+    finally:
+        ctrl.close()
+    assert ctrl.objects == {} and not models.exists()

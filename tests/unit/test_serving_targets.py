@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from hybridflow.config import KubernetesServing, ServingSettings, load_estate
+from hybridflow.config.pipeline import DEPLOY_TARGET_NAMES
 from hybridflow.errors import ConfigError, DeploymentError
 from hybridflow.serving import DEPLOY_TARGETS, deploy_target, target_class, target_name
 from hybridflow.serving.base import DeployRequest, DeployTarget, Serving, Staged, roll
@@ -28,6 +29,9 @@ def test_an_unknown_target_is_refused_naming_the_field_and_the_valid_names(name)
 
 def test_the_table_resolves_every_name_to_its_implementation():
     assert target_class("local") is LocalTarget and target_class("kubernetes") is KubernetesTarget
+    # config checks serving.target against its own list of names: a target added here and not there
+    # would be refused by every estate that names it.
+    assert sorted(DEPLOY_TARGETS) == sorted(DEPLOY_TARGET_NAMES)
     for name in DEPLOY_TARGETS:
         cls = target_class(name)
         assert issubclass(cls, DeployTarget) and cls.name == name

@@ -99,3 +99,93 @@ def test_cache_command_lists_and_prunes_versions_through_the_clusters_connection
     assert [v.version for v in list_versions(store, "clidata")] == list(reversed(made))[:3]
     with pytest.raises(SystemExit, match="has no cloud cache"):
         main(["cache", "versions", "--cluster", "onprem-a", "--dataset", "clidata"])
+
+
+def _cache_cli(tmp_path, monkeypatch, rclone_s3, clusters_changes) -> None:
+    """The shipped estate with ``clusters_changes`` merged into clusters.yaml, each cache through one
+    connection to the S3 endpoint, and a home of the test's own (its runs folder)."""
+    import shutil as _shutil
+
+    import yaml
+
+    from hybridflow.devenv.rclone import airflow_conn_uri
+    from hybridflow.settings import REPO_ROOT
+
+    endpoint, access, secret, _ = rclone_s3
+    config = tmp_path / "config"
+    _shutil.copytree(REPO_ROOT / "config", config)
+    clusters = yaml.safe_load((config / "clusters.yaml").read_text())
+    for name, changes in clusters_changes.items():
+        clusters["clusters"][name] = {**clusters["clusters"].get(name, {}), **changes}
+    (config / "clusters.yaml").write_text(yaml.safe_dump(clusters))
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(config))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AIRFLOW_CONN_HF_CLI_CACHE", airflow_conn_uri(access, secret, endpoint))
+
+
+def _versions(stage, tmp_path, store, name: str, n: int) -> list[str]:  # noqa: F811
+    """``n`` versions of dataset ``name`` staged into ``store``, oldest first."""
+    ds = dataset_folder(tmp_path, name, {"a.txt": b"a"})
+    made = []
+    for i in range(n):
+        (ds.path / "b.txt").write_bytes(f"b{i}".encode())
+        made.append(stage(ds, store, settings=NO_PACK).version)
+        time.sleep(1.1)
+    return made
+
+
+def test_prune_refuses_a_dr_cluster_and_deletes_nothing_there(stage, rclone_s3, tmp_path, monkeypatch):  # noqa: F811
+    from hybridflow.cli import main
+
+    endpoint, access, secret, _ = rclone_s3
+    bucket = f"hf-dr-{uuid.uuid4().hex[:8]}"
+    _cache_cli(tmp_path, monkeypatch, rclone_s3, {"dr-west": {
+        "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
+        "dr": {"min_gpus": 1}, "prices": {"onprem": 0.5},
+        "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 2}],
+        "cache": {"conn_id": "hf_cli_cache", "bucket": bucket}}})
+    dr = S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret)  # noqa: F811
+    dr.ensure_bucket()
+    made = _versions(stage, tmp_path, dr, "clidata", 4)  # replicas, in the layout a cache has
+    with pytest.raises(SystemExit, match=r"hybridflow cache prune: --cluster dr-west has role: dr: its store holds "
+                                         r"the disaster-recovery replicas.*nothing was deleted.*instead: cloud-east"):
+        main(["cache", "prune", "--cluster", "dr-west", "--dataset", "clidata", "--protect-hours", "0"])
+    assert sorted(v.version for v in list_versions(dr, "clidata")) == sorted(made)
+    assert main(["cache", "versions", "--cluster", "dr-west", "--dataset", "clidata"]) == 0  # listing is fine
+
+
+def test_prune_keeps_a_version_a_live_run_pins_whatever_its_age(stage, rclone_s3, tmp_path, monkeypatch,  # noqa: F811
+                                                                 capsys):
+    import json
+    import os
+
+    from hybridflow.cli import main
+
+    endpoint, access, secret, _ = rclone_s3
+    bucket = f"hf-pin-{uuid.uuid4().hex[:8]}"
+    _cache_cli(tmp_path, monkeypatch, rclone_s3, {"cloud-east": {"cache": {"conn_id": "hf_cli_cache", "bucket": bucket}}})
+    cache = S3ObjectStore(bucket, endpoint_url=endpoint, access_key=access, secret_key=secret)  # noqa: F811
+    cache.ensure_bucket()
+    made = _versions(stage, tmp_path, cache, "clidata", 5)
+    # A critical run still training from the oldest version, staged for it two days ago; a run that
+    # ended two days ago pinned the next one.
+    runs = tmp_path / "home" / "private" / "runs"
+    two_days_ago = time.time() - 2 * 86400
+    for run, version, outcome in (("run-critical", made[0], "running"), ("run-ended", made[1], "failed")):
+        (runs / run).mkdir(parents=True)
+        (runs / run / "staging.json").write_text(json.dumps({"dataset": "clidata", "version": version}))
+        (runs / run / "train-attempts.json").write_text(json.dumps([{"attempt": "a1", "outcome": outcome}]))
+        for f in (runs / run).iterdir():
+            os.utime(f, (two_days_ago, two_days_ago))
+    assert main(["cache", "prune", "--cluster", "cloud-east", "--dataset", "clidata", "--protect-hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 1 versions" in out and f"kept {made[0]}: pinned by live run run-critical" in out
+    assert sorted(v.version for v in list_versions(cache, "clidata")) == sorted([made[0], *made[2:]])
+    for entry in read_manifest(cache, f"{versions_prefix('clidata')}{made[0]}.json").entries:
+        fetch_verified(cache, entry)  # the live run still reads every file of its version
+    # A live run whose pin cannot be read may pin any version: nothing is pruned.
+    (runs / "run-critical" / "staging.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"cannot read .*run-critical/staging.json .*the pin of run run-critical, "
+                                         r"which is live.*nothing was pruned"):
+        main(["cache", "prune", "--cluster", "cloud-east", "--dataset", "clidata", "--protect-hours", "0"])
+    assert len(list_versions(cache, "clidata")) == 4

@@ -8,9 +8,9 @@ import logging
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from hybridflow.admission import AdmittedRun, RunRequest
 from hybridflow.ledger import ingest_run_record
 from hybridflow.ledger.models import Attempt, Run
+from hybridflow.request import AdmittedRun, RunRequest
 from hybridflow.runs import RunIdentity
 from hybridflow.training.attempts import note_in_ledger
 

@@ -18,7 +18,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from hybridflow.config import Estate, load_estate
-from hybridflow.dr.fencing import declare_down, declare_up, record_drain, state_path
+from hybridflow.dr.fencing.failback import declare_up
+from hybridflow.fencing import declare_down, record_drain, state_path
 from hybridflow.serving.router import ACTIVE_FILE, TAKEOVER
 from hybridflow.settings import REPO_ROOT
 from hybridflow.ui.clusters import add_cluster_pages, cluster_view
@@ -185,7 +186,7 @@ def test_an_unreadable_fence_file_is_said_not_hidden(tmp_path: Path, monkeypatch
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "fencing.json").write_text("{not json")
     html = _client(None).get("/clusters").text
-    assert "The cluster state could not be read: JSONDecodeError:" in html
+    assert "The cluster state could not be read: FencingError: the fence file" in html and "is not valid JSON" in html
     assert _forms(html) == {}  # no form is offered on a state that cannot be read
 
 

@@ -126,11 +126,37 @@ def test_run_cost_tab_shows_what_the_nightly_allocation_charged_each_attempt(tmp
     assert "allocated in all</th><th>2.5000</th>" in html and "10.0000" not in html and "Not allocated yet" not in html
 
 
-def test_a_nightly_runs_cost_tab_shows_the_budgets_and_the_report(tmp_path, store):
+@pytest.mark.parametrize("dag_id", ["gpu_budgets", "gpu_cost_nightly", "cluster_fence", "resource_reaper"])
+def test_the_cost_tab_of_a_run_of_another_dag_is_refused_and_shows_no_projects_figures(tmp_path, store, dag_id):
     _frozen(store)
-    html = _client(tmp_path, store).get("/costs/runs/gpu_budgets/asset_triggered__2026-12-20T03:00:00").text
-    assert "as of gpu_budgets / asset_triggered__2026-12-20T03:00:00" in html
-    assert "<tr class='frozen'><td>digits-ocr</td>" in html and "No allocation report yet" in html
+    reports = tmp_path / "private" / "reports" / "allocation" / "2026-12-19"
+    reports.mkdir(parents=True)
+    (reports / "report.html").write_text("<h1>GPU cost 2026-12-19</h1>")
+    # The other DAG's run shares the run id of a training run with a record: nothing of it shows either.
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    write_record(tmp_path / "private", {
+        "run_key": identity.run_key, "dag_id": "hybrid_training", "run_id": RUN_ID, "project": "digits-ocr",
+        "team": "perception", "cluster": "onprem-a", "gpu_hours": 2.0, "price_per_gpu_hour": 1.25,
+        "recorded_at": "2026-12-19T10:30:00+00:00",
+    })
+    response = _client(tmp_path, store).get(f"/costs/runs/{dag_id}/{RUN_ID}")
+    assert response.status_code == 404
+    for figure in ("digits-ocr", "ranking", "perception", "25,0", "8,000", "report/2026-12-19", "2.5"):
+        assert figure not in response.text, f"the {dag_id} run's cost tab shows {figure!r}"
+    assert "only hybrid_training runs have a cost" in response.text
+
+
+def test_a_record_that_is_not_the_runs_own_is_refused(tmp_path, store):
+    """A record filed under the run's key but naming another DAG or run is not that run's cost."""
+    identity = RunIdentity("hybrid_training", RUN_ID)
+    write_record(tmp_path / "private", {
+        "run_key": identity.run_key, "dag_id": "ranking_training", "run_id": "manual__other", "project": "ranking",
+        "team": "search", "cluster": "cloud-east", "gpu_hours": 40.0, "price_per_gpu_hour": 3.0,
+        "recorded_at": "2026-12-19T10:30:00+00:00",
+    })
+    response = _client(tmp_path, store).get(f"/costs/runs/hybrid_training/{RUN_ID}")
+    assert response.status_code == 404
+    assert "ranking" not in response.text and "120" not in response.text and "search" not in response.text
 
 
 @pytest.mark.airflow
@@ -149,3 +175,56 @@ def test_cost_pages_are_in_the_plugin_and_need_a_signed_in_user():
     api = TestClient(create_api_server(apps="core"))
     assert api.get("/hybridflow/costs").status_code == 401
     assert api.get(f"/hybridflow/costs/runs/hybrid_training/{RUN_ID}").status_code == 401
+
+
+@pytest.fixture(scope="module")
+def airflow_db():
+    """The session's Airflow metadata database, migrated (tests/conftest.py points Airflow at it)."""
+    import os
+    import subprocess
+    import sys
+
+    airflow = Path(sys.executable).with_name("airflow")
+    subprocess.run([str(airflow), "db", "migrate"], env=dict(os.environ), check=True, timeout=300, capture_output=True)
+
+
+@pytest.mark.airflow
+def test_the_api_server_shows_the_budgets_only_to_who_may_read_the_gpu_budgets_dag(airflow_db, tmp_path, monkeypatch):
+    """Through the api-server and its auth manager: read access to a DAG's runs is per DAG, as a
+    deployment's auth manager grants it (the FAB auth manager's DAG-level permissions)."""
+    from airflow.api_fastapi import app as api_app
+    from airflow.api_fastapi.app import create_app as create_api_server
+    from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    reads = {"trainer": {"hybrid_training"}, "nightly": {"gpu_cost_nightly"}, "finance": {"gpu_budgets"}}
+
+    class DagReaders(SimpleAuthManager):
+        def is_authorized_dag(self, *, method, user, access_entity=None, details=None) -> bool:
+            return method == "GET" and details is not None and details.id in reads.get(user.username, set())
+
+    manager = DagReaders()
+    monkeypatch.setattr(api_app._AuthManagerState, "instance", manager)
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("HYBRIDFLOW_LEDGER_URL", raising=False)
+    write_record(tmp_path / "private", {
+        "run_key": RunIdentity("hybrid_training", RUN_ID).run_key, "dag_id": "hybrid_training", "run_id": RUN_ID,
+        "project": "digits-ocr", "team": "perception", "cluster": "onprem-a", "gpu_hours": 2.0,
+        "price_per_gpu_hour": 1.25, "recorded_at": "2026-12-19T10:30:00+00:00",
+    })
+    api = TestClient(create_api_server(apps="core"))
+
+    def get(user: str, path: str):
+        token = manager.generate_jwt(SimpleAuthManagerUser(username=user, role="viewer"))
+        return api.get(f"/hybridflow{path}", headers={"Authorization": f"Bearer {token}"})
+
+    for user in ("trainer", "nightly"):
+        for path in ("/costs", "/api/costs/budgets", "/costs/report/2026-12-19"):
+            assert get(user, path).status_code == 403, (user, path)
+    nightly_tab = get("nightly", "/costs/runs/gpu_cost_nightly/scheduled__2026-12-20T00:00:00")
+    assert nightly_tab.status_code == 404 and "digits-ocr" not in nightly_tab.text and "ranking" not in nightly_tab.text
+    assert get("trainer", "/costs/runs/gpu_cost_nightly/scheduled__2026-12-20T00:00:00").status_code == 403
+    own = get("trainer", f"/costs/runs/hybrid_training/{RUN_ID}")
+    assert own.status_code == 200 and "Budget of digits-ocr" in own.text and "ranking" not in own.text
+    finance = get("finance", "/api/costs/budgets")
+    assert finance.status_code == 200 and {p["project"] for p in finance.json()["projects"]} == {"digits-ocr", "ranking"}

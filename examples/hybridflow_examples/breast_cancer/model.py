@@ -1,9 +1,10 @@
 """A binary classifier over 30 measurements, trained data-parallel through hybridflow's contract.
 
 The module standardises its inputs itself (means and spreads of the training split, kept as
-buffers), so requests carry the raw measurements. Its training state is saved sharded from every
-rank with ``torch.distributed.checkpoint`` (``ctx.checkpoint.save_sharded``), the way a model too big
-for one rank's memory would be.
+buffers), so requests carry the raw measurements. It trains with the run's precision, optimizer and
+sharding through the ``ctx`` helpers; with ``sharding`` zero2 or zero3 its weights are sharded with
+FSDP and every rank saves its part with ``torch.distributed.checkpoint``, the way a model too big for
+one rank's memory would be.
 """
 
 from __future__ import annotations
@@ -44,47 +45,33 @@ def build(hparams: Mapping[str, Any]) -> nn.Module:
 
 def train(ctx) -> None:
     import numpy as np
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.nn.parallel import DistributedDataParallel
 
     from hybridflow_examples.breast_cancer.data import LABEL, feature_names
 
     hp = ctx.hparams
     frame = ctx.dataset.split("train").frame()
-    x = torch.tensor(frame[feature_names()].to_numpy(dtype=np.float32))
-    y = torch.tensor(frame[LABEL].to_numpy(dtype=np.float32))
+    # The whole table fits on the rank's device ("cuda:<local rank>" or "cpu"): batches are slices of it.
+    x = torch.tensor(frame[feature_names()].to_numpy(dtype=np.float32), device=ctx.device)
+    y = torch.tensor(frame[LABEL].to_numpy(dtype=np.float32), device=ctx.device)
 
-    model = build(hp)
-    model[0].fit(x)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
-
-    def state() -> dict:
-        # Fully qualified names for model and optimizer state (the optimizer's is created here if it
-        # does not exist yet, so a restore has tensors to load into).
-        model_state, optim_state = get_state_dict(model, optimizer)
-        return {"model": model_state, "optimizer": optim_state}
-
-    start = 0
-    restored = state()
-    step_restored = ctx.checkpoint.restore_sharded(restored)  # loads every rank's part in place
-    if step_restored is not None:
-        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
-        start = step_restored
-
-    ddp = DistributedDataParallel(model)
+    module = build(hp)
+    module[0].fit(x.cpu())  # the standardiser's statistics, before the module is wrapped
+    model = ctx.wrap(module)  # DDP, or FSDP with zero2/zero3 (then checkpoints are sharded: every rank its part)
+    optimizer = ctx.optimizer(model, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    start = ctx.restore(model, optimizer)
     sampler = ctx.sampler(len(x), hp["batch_size"], seed=hp["seed"])
     loss_fn = nn.BCEWithLogitsLoss()
     step = start
     for step in range(start + 1, hp["steps"] + 1):
         rows = sampler.indices(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(x[rows]).squeeze(1), y[rows])
-        loss.backward()
-        optimizer.step()
+        with ctx.autocast():
+            loss = loss_fn(model(x[rows]).squeeze(1), y[rows])
+        ctx.backward(loss)
+        ctx.step(optimizer)
         ctx.log(step, loss=loss.item())
         if ctx.should_stop():
             break
         if ctx.checkpoint.due(step):
-            ctx.checkpoint.save_sharded(step, state())  # every rank writes its part
-    ctx.checkpoint.save_sharded(step, state())
+            ctx.save_checkpoint(step, model, optimizer)
+    ctx.save_checkpoint(step, model, optimizer)
     ctx.save_model(model)

@@ -1,8 +1,8 @@
 """A small MLP over the 64 pixels of a digit, trained data-parallel through hybridflow's contract.
 
 ``build(hparams)`` makes the module (the model server and evaluation call it too); ``train(ctx)`` runs
-in every rank of the gang. The whole training state is checkpointed from rank 0 (DDP keeps every
-rank's replica identical), and batches are a pure function of (seed, step), so a resumed run sees
+in every rank of the gang, with the run's precision, optimizer and sharding (``ctx.wrap``,
+``ctx.optimizer``, ``ctx.autocast``), and batches are a pure function of (seed, step), so a resumed run sees
 exactly the data an uninterrupted one would have.
 """
 
@@ -46,39 +46,31 @@ def build(hparams: Mapping[str, Any]) -> nn.Module:
 
 def train(ctx) -> None:
     import numpy as np
-    from torch.nn.parallel import DistributedDataParallel
 
     hp = ctx.hparams
     frame = ctx.dataset.split("train").frame()
-    x = torch.tensor(frame[FEATURES].to_numpy(dtype=np.float32))
-    y = torch.tensor(frame[LABEL].to_numpy(dtype=np.int64))
+    # The whole table fits on the rank's device ("cuda:<local rank>" or "cpu"): batches are slices of it.
+    x = torch.tensor(frame[FEATURES].to_numpy(dtype=np.float32), device=ctx.device)
+    y = torch.tensor(frame[LABEL].to_numpy(dtype=np.int64), device=ctx.device)
 
-    model = build(hp)
-    optimizer = torch.optim.SGD(model.parameters(), lr=hp["learning_rate"], momentum=hp["momentum"])
-    start = 0
-    restored = ctx.checkpoint.restore()
-    if restored is not None:
-        model.load_state_dict(restored.state["model"])
-        optimizer.load_state_dict(restored.state["optimizer"])
-        start = restored.step
-
-    def state() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    ddp = DistributedDataParallel(model)
+    # The run's sharding, optimizer and precision Params decide what these do (DDP or FSDP, SGD or
+    # AdamW, fp32 or autocast): the same code for every setting.
+    model = ctx.wrap(build(hp))
+    optimizer = ctx.optimizer(model, lr=hp["learning_rate"], momentum=hp["momentum"])
+    start = ctx.restore(model, optimizer)  # the newest committed checkpoint's step, or 0
     sampler = ctx.sampler(len(x), hp["batch_size"], seed=hp["seed"])
     loss_fn = nn.CrossEntropyLoss()
     step = start
     for step in range(start + 1, hp["steps"] + 1):
         rows = sampler.indices(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(x[rows]), y[rows])
-        loss.backward()  # DDP averages the gradients across the gang here
-        optimizer.step()
+        with ctx.autocast():
+            loss = loss_fn(model(x[rows]), y[rows])
+        ctx.backward(loss)  # gradients averaged (or reduce-scattered) across the gang here
+        ctx.step(optimizer)
         ctx.log(step, loss=loss.item())
         if ctx.should_stop():  # preempted: leave the loop, the final checkpoint follows
             break
         if ctx.checkpoint.due(step):
-            ctx.checkpoint.save(step, state)  # snapshot now, written in the background
-    ctx.checkpoint.save(step, state)  # the resume point (or, when done, what makes a rerun a no-op)
+            ctx.save_checkpoint(step, model, optimizer)  # snapshot now, written in the background
+    ctx.save_checkpoint(step, model, optimizer)  # the resume point (or, when done, what makes a rerun a no-op)
     ctx.save_model(model)

@@ -14,12 +14,52 @@ whose load cannot be read is ``reachable=False`` with the reason, and placement 
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hybridflow.errors import ConfigError
+
 OWNER_KEYS = ("dag_id", "run_id", "task_id", "try_number")
+
+# Which Airflow deployment made a gang: the label hybridflow.io/instance on a Kubernetes gang's job,
+# pods, Secret and Service, the key "instance" in a local gang's owner.json. Its reaper releases only
+# its own gangs (another deployment's run ids mean nothing in this one's metadata database).
+INSTANCE_KEY = "instance"
+INSTANCE_ENV = "HYBRIDFLOW_INSTANCE"
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def instance_identity() -> str:
+    """This Airflow deployment's identity on the gangs it makes: ``$HYBRIDFLOW_INSTANCE`` (set it to
+    the same value on every Airflow component of a deployment), else ``airflow-`` and 12 hex digits
+    of the SHA-256 of the address of the deployment's Execution API (``[core]
+    execution_api_server_url``, by default ``[api] base_url`` + ``/execution/``; scheme, host, port
+    and path, never credentials or a query), which every worker of one deployment reports to.
+
+    Not the metadata database: Airflow 3 hides its location from task processes (the train and
+    reaper tasks that label and judge gangs), replacing it with a URL that names no database."""
+    value = os.environ.get(INSTANCE_ENV, "").strip()
+    if not value:
+        return "airflow-" + hashlib.sha256(_execution_api().encode()).hexdigest()[:12]
+    if not _INSTANCE_RE.match(value):
+        raise ConfigError(f"{INSTANCE_ENV}={value!r} cannot name an Airflow instance on a gang (it becomes the "
+                          "label hybridflow.io/instance): use at most 63 letters, digits, '-', '_' or '.', "
+                          "starting and ending with a letter or digit, e.g. HYBRIDFLOW_INSTANCE=prod-eu")
+    return value
+
+
+def _execution_api() -> str:
+    from urllib.parse import urlsplit
+
+    from airflow.executors.base_executor import get_execution_api_server_url
+
+    url = urlsplit(get_execution_api_server_url())
+    return f"{url.scheme}://{(url.hostname or '').lower()}:{url.port or ''}{url.path.rstrip('/')}"
 
 
 def owner_annotations(owner: Mapping[str, Any]) -> dict[str, str]:
@@ -131,12 +171,42 @@ def standing_in(load: ClusterLoad, name: str) -> QueueStanding:
     return QueueStanding(load.cluster, 0, 0, load.free, load.capacity)
 
 
+# A gang's phase, whatever runs it: pending (not admitted yet), running, restarting (after a
+# preemption), succeeded, failed, missing (no such gang).
+PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
+    "pending", "running", "restarting", "succeeded", "failed", "missing")
+APPLICATION, BUDGET_SPENT = "application", "preemption_budget"
+
+
+@dataclass(frozen=True)
+class GangStatus:
+    """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
+    restarting, succeeded, failed, missing."""
+
+    phase: str
+    message: str = ""
+    retries: int = 0  # gang restarts after a preemption so far
+    cause: str = ""  # of a failure: APPLICATION (a worker failed) or BUDGET_SPENT (preempted too often)
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in (SUCCEEDED, FAILED, MISSING)
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "message": self.message, "retries": self.retries, "cause": self.cause}
+
+
 class GangBackend(ABC):
     """Gang jobs on one cluster. Waiting and running end in the errors of
     :mod:`hybridflow.backends.errors`: ``GangNotAdmitted`` when the gang was not admitted in time,
     ``GangPreempted``, ``GangStopped``, ``GangFailed``."""
 
     cluster_name: str
+
+    @abstractmethod
+    def status(self, name: str) -> GangStatus:
+        """Gang ``name``'s phase now (``missing`` when there is none), with the restarts its
+        scheduler made after preemptions where the scheduler restarts gangs itself."""
 
     @abstractmethod
     def load(self) -> ClusterLoad:

@@ -39,6 +39,11 @@ class GangFailed(GangWorkerExit):
     """A worker failed (any other non-zero exit); the whole gang was stopped."""
 
 
+class PreemptionBudgetSpent(GangFailed):
+    """The gang was preempted more often than ``training.preemption_retries`` allows (a scheduler
+    that restarts gangs itself counts the restarts): not retried, like a relaunch budget spent."""
+
+
 class GangStopped(GangWorkerExit):
     """The gang was stopped on purpose with :meth:`LocalGangBackend.stop` (e.g. its project's budget
     is spent): the workers checkpointed, and it must not be relaunched. ``reason`` says why."""

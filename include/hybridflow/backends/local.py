@@ -37,8 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import hybridflow
-from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding
+from hybridflow.backends.base import (
+    INSTANCE_KEY,
+    MISSING,
+    PENDING,
+    RUNNING,
+    ClusterLoad,
+    GangBackend,
+    GangJob,
+    GangStatus,
+    QueueStanding,
+    instance_identity,
+)
 from hybridflow.backends.errors import (  # noqa: F401 - the train task and tests import them from here
     GangFailed,
     GangNotAdmitted,
@@ -57,6 +67,7 @@ from hybridflow.backends.local_processes import (  # noqa: F401 - tests import t
     _cmdline,
     _die_with_parent,
     _free_port,
+    _gang_env,
     _proc_stat,
     _start_ticks,
     pid_alive,
@@ -91,26 +102,6 @@ def _check_job(job: GangJob) -> None:
             )
     if job.workers < 1:
         raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
-
-
-def _gang_env(job: GangJob, port: int) -> dict[str, str]:
-    """The environment every worker of the gang starts with (rendezvous on loopback at ``port``)."""
-    base_env = dict(os.environ)
-    base_env.update(job.env)
-    include_dir = str(Path(hybridflow.__file__).resolve().parents[1])
-    base_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (include_dir, base_env.get("PYTHONPATH")) if p
-    )
-    base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gang talks over loopback only
-    base_env.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(job.workers),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return base_env
 
 
 def _launch(
@@ -190,7 +181,8 @@ class LocalGangBackend(GangBackend):
         return self.job_dir(job_name) / "stop.json"
 
     def owner_path(self, job_name: str) -> Path:
-        """The Airflow task the gang works for (``GangJob.owner``), written when it first asks for slots."""
+        """The Airflow task the gang works for (``GangJob.owner``) and the Airflow instance that made it
+        (``instance``), written when it first asks for slots."""
         return self.job_dir(job_name) / "owner.json"
 
     # -- admission ---
@@ -200,9 +192,10 @@ class LocalGangBackend(GangBackend):
         """One try to admit ``job``: take its slots, or leave its ticket (keeping its place from
         ``since``); a critical gang also stops batch gangs in its way. ``lease_s`` reserves the
         slots for the task that will launch the gang (a trigger admits on its behalf)."""
-        if job.owner and _read_json(self.owner_path(job.name)) != job.owner:
+        owner = {**job.owner, INSTANCE_KEY: instance_identity()} if job.owner else None
+        if owner and _read_json(self.owner_path(job.name)) != owner:
             _check_job(job)
-            _atomic_write_json(self.owner_path(job.name), dict(job.owner))
+            _atomic_write_json(self.owner_path(job.name), owner)
         if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
                                  team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s,
                                  team_outside=job.team_held_outside):
@@ -451,6 +444,15 @@ class LocalGangBackend(GangBackend):
                 except OSError as exc:
                     if exc.errno != errno.ESRCH:
                         raise
+
+    def status(self, name: str) -> GangStatus:
+        """Running while the gang's workers live, pending while its ticket waits in the queue, else
+        missing: how a finished gang ended is its launcher's to say (the train task supervises it and
+        relaunches it after a preemption, so no restarts are counted here)."""
+        record = _read_json(self._record_path(name))
+        if record and self._live_workers(record):
+            return GangStatus(RUNNING)
+        return GangStatus(PENDING) if name in self.pool.waiting() else GangStatus(MISSING)
 
     def running_gangs(self) -> list[dict]:
         """Gangs of this cluster with live workers: ``{"name", "attempt", "labels"}`` each."""

@@ -1,5 +1,6 @@
 """Processes of the local backend: liveness (guarded against pid reuse), command lines, a free port
-for the gang's rendezvous, and workers that die with their launcher (``PR_SET_PDEATHSIG``)."""
+for the gang's rendezvous, the environment its workers start with, and workers that die with their
+launcher (``PR_SET_PDEATHSIG``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import hybridflow
 
 _PR_SET_PDEATHSIG = 1
 
@@ -75,3 +79,25 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def _gang_env(job: Any, port: int) -> dict[str, str]:
+    """The environment every worker of the gang starts with (rendezvous on loopback at ``port``)."""
+    base_env = dict(os.environ)
+    base_env.update(job.env)
+    include_dir = str(Path(hybridflow.__file__).resolve().parents[1])
+    base_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (include_dir, base_env.get("PYTHONPATH")) if p
+    )
+    base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the gang talks over loopback only
+    base_env.setdefault("HYBRIDFLOW_DEVICE", "cpu")  # the embedded default trains anywhere; cuda: a GPU per rank
+    base_env.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(job.workers),
+            "LOCAL_WORLD_SIZE": str(job.workers),  # every rank on this machine
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return base_env

@@ -1,5 +1,5 @@
 """The estate description under ``config/``: clusters, projects, pipeline-wide defaults, and the
-dataset catalogue and model registry (``hybridflow.catalogue``, ``hybridflow.registry``).
+dataset catalogue and model registry (``hybridflow.config.catalogue``, ``hybridflow.config.registry``).
 
 ``load_estate`` parses ``clusters.yaml``, ``projects.yaml``, ``pipeline.yaml``, ``datasets.yaml`` and
 ``models.yaml`` into frozen pydantic models and cross-checks them. Any problem raises :class:`~hybridflow.errors.ConfigError` whose message

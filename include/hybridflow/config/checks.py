@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from hybridflow.config.base import CLUSTERS_FILE, DATASETS_FILE, MODELS_FILE, PROJECTS_FILE
-from hybridflow.config.clusters import CheckpointPlace, Cluster, ClustersFile
-from hybridflow.config.pipeline import MeteringSettings, ReaperSettings, ServingSettings
+from hybridflow.config.clusters import NCCL_IFNAME_RE, CheckpointPlace, Cluster, ClustersFile
+from hybridflow.config.pipeline import DEPLOY_TARGET_NAMES, MeteringSettings, ReaperSettings, ServingSettings
 from hybridflow.config.projects import ProjectsFile
 
 # Cluster names end up in Airflow pool names, connection ids and Kubernetes labels.
@@ -109,7 +109,7 @@ def _check_backend(at: str, c: Cluster) -> list[str]:
         problems.append(f"{keys}: {msg}")
 
     if c.backend != "kubernetes":
-        for key in ("conn_id", "scheduler", "namespace", "image", "scratch_claim"):
+        for key in ("conn_id", "scheduler", "namespace", "image", "scratch_claim", "nccl_socket_ifname"):
             if getattr(c, key) is not None:
                 bad(
                     f"{at}.{key}",
@@ -124,6 +124,10 @@ def _check_backend(at: str, c: Cluster) -> list[str]:
                     "not a valid Kubernetes label (key [prefix/]name, value up to 63 of "
                     "[A-Za-z0-9._-] starting and ending alphanumeric); fix the label",
                 )
+    if c.nccl_socket_ifname is not None and not NCCL_IFNAME_RE.match(c.nccl_socket_ifname):
+        bad(f"{at}.nccl_socket_ifname", f"{c.nccl_socket_ifname!r} is not a list of network interface names "
+            "(comma-separated, each 1-15 of [A-Za-z0-9_.-], optionally led by ^ to exclude or = to match exactly), "
+            "e.g. eth0 or ^lo,docker; fix it or remove the key to let NCCL choose")
     if not c.conn_id:
         bad(f"{at}.conn_id", "backend kubernetes needs conn_id: the Airflow Connection of the cluster")
     if not c.scheduler:
@@ -236,12 +240,10 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
 
 
 def _check_serving(path: Path, serving: ServingSettings, cf: ClustersFile) -> list[str]:
-    from hybridflow.serving import DEPLOY_TARGETS  # the table only: nothing heavy is imported
-
     k8s = serving.kubernetes
-    if serving.target is not None and serving.target not in DEPLOY_TARGETS:
+    if serving.target is not None and serving.target not in DEPLOY_TARGET_NAMES:
         return [f"{path}: serving.target: {serving.target!r} is not a deploy target; use one of: "
-                + ", ".join(sorted(DEPLOY_TARGETS))]
+                + ", ".join(sorted(DEPLOY_TARGET_NAMES))]
     if serving.target == "kubernetes" and k8s is None:
         return [f"{path}: serving.target: kubernetes needs serving.kubernetes (the private inference pool); "
                 "add that section or remove serving.target"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
@@ -9,6 +10,9 @@ from pydantic import Field, PrivateAttr, model_validator
 from hybridflow.config.base import _Model
 
 PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
+# NCCL_SOCKET_IFNAME: interface name prefixes, comma-separated; a leading "^" excludes them, "="
+# makes the names exact (e.g. "eth0", "^docker,lo", "=ib0"). Linux names are at most 15 characters.
+NCCL_IFNAME_RE = re.compile(r"^\^?=?[A-Za-z0-9_.-]{1,15}(,[A-Za-z0-9_.-]{1,15})*$")
 
 
 class NodePool(_Model):
@@ -96,6 +100,9 @@ class Cluster(_Model):
     image: str | None = Field(default=None, min_length=1)
     # kubernetes only: PersistentVolumeClaim of the cluster's scratch filesystem, mounted at scratch_dir.
     scratch_claim: str | None = Field(default=None, min_length=1)
+    # kubernetes only: the network interface(s) NCCL uses between a gang's pods (NCCL_SOCKET_IFNAME in
+    # every worker's environment), e.g. "eth0" or "^lo,docker"; unset, NCCL picks one itself.
+    nccl_socket_ifname: str | None = None
     node_pools: list[NodePool] = Field(min_length=1)
     prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
     cache: CacheConfig | None = None

@@ -11,8 +11,8 @@ from hybridflow.config.pipeline import PipelineConfig
 from hybridflow.config.projects import GpuType, Project, Team
 
 if TYPE_CHECKING:
-    from hybridflow.catalogue import Catalogue
-    from hybridflow.registry import Registry
+    from hybridflow.config.catalogue import Catalogue
+    from hybridflow.config.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,8 @@ def _stat(path: Path):
 
 def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_path: Path, datasets_path: Path,
            models_path: Path) -> Estate:
-    from hybridflow.catalogue import parse_catalogue
-    from hybridflow.registry import parse_registry
+    from hybridflow.config.catalogue import parse_catalogue
+    from hybridflow.config.registry import parse_registry
 
     clusters_file = _validate(ClustersFile, clusters_path)
     projects_file = _validate(ProjectsFile, projects_path)

@@ -123,12 +123,17 @@ class CanarySettings(_Model):
         return self
 
 
+# Every deploy target's name: config checks ``serving.target`` against these without importing
+# serving (which sits above config); ``hybridflow.serving.DEPLOY_TARGETS`` maps each to its class.
+DEPLOY_TARGET_NAMES = ("kserve", "kubernetes", "local")
+
+
 class ServingSettings(_Model):
     # The model gateway on 127.0.0.1: every model's endpoint is /v1/models/<endpoint>:predict on it.
     port: int = Field(default=8790, ge=1, le=65535)
     # None: serve on this machine (blue/green behind 127.0.0.1:port); else roll out on Kubernetes.
     kubernetes: KubernetesServing | None = None
-    # The deploy target by name (hybridflow.serving.DEPLOY_TARGETS); None: kubernetes when the
+    # The deploy target by name (DEPLOY_TARGET_NAMES); None: kubernetes when the
     # section above is there, else local.
     target: str | None = None
     server: ModelServerSettings = Field(default_factory=ModelServerSettings)

@@ -259,7 +259,7 @@ class InferenceAllocation(Base):
 
 
 class DrillRow(Base):
-    """One disaster-recovery drill (hybridflow.dr.drill_ledger): its RTO/RPO figures, the targets it
+    """One disaster-recovery drill (hybridflow.dr.drills.ledger): its RTO/RPO figures, the targets it
     was judged against, the verdict, and its whole report (JSON). Recording a drill again replaces it."""
 
     __tablename__ = "dr_drill"

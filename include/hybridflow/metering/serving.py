@@ -222,9 +222,9 @@ def meter_serving(store: Callable[..., int], *, window_start: datetime, window_e
                     "skipped": f"{cluster}: this window ended at {window_end.isoformat()}, more than "
                                f"{window_end - window_start} ago; the API shows only what serves now"}
         if hook is None:
-            from hybridflow.backends.k8s.backend import make_hook
+            from hybridflow.hooks.kubernetes import kubernetes_hook
 
-            hook = make_hook(estate.clusters[cluster].conn_id)
+            hook = kubernetes_hook(estate.clusters[cluster].conn_id)
         samples = kubernetes_samples(hook, estate, window_start=window_start, window_end=window_end)
     stored = store(samples, cluster=cluster, window_start=window_start, window_end=window_end)
     return {"cluster": cluster, "window_end": window_end.isoformat(), "samples": len(samples), "stored": stored,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def fenced(cluster: str, settings: Any = None) -> str | None:
     """Why ``cluster`` takes no gang now (declared down: who, when, why) and the fix; None when it is up."""
-    from hybridflow.dr.fencing import down_clusters, state_path
+    from hybridflow.fencing import down_clusters, state_path
 
     record = down_clusters(state_path(None if settings is None else settings.state_dir)).get(cluster)
     if record is None:
@@ -44,7 +44,7 @@ class GangTrainOperator(BaseOperator):
     Preemption (a worker exits 75 after its final checkpoint: spot reclaim, eviction) is not an
     application error: the task relaunches the gang itself, as a new attempt that resumes from that
     checkpoint, up to ``training.preemption_retries`` times per task try. Application errors
-    (:class:`~hybridflow.backends.local.GangFailed`) raise and use the task's Airflow ``retries``.
+    (:class:`~hybridflow.backends.errors.GangFailed`) raise and use the task's Airflow ``retries``.
     ``on_kill`` (the task itself was stopped) stops the gang and is never relaunched.
     """
 
@@ -63,10 +63,10 @@ class GangTrainOperator(BaseOperator):
     def execute(self, context) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from hybridflow.admission import AdmittedRun
         from hybridflow.budgets.enforce import refuse_if_frozen
         from hybridflow.config import load_estate
         from hybridflow.errors import AdmissionError
+        from hybridflow.request import AdmittedRun
         from hybridflow.settings import get_settings
         from hybridflow.training.failover import current_placement
 
@@ -82,8 +82,9 @@ class GangTrainOperator(BaseOperator):
 
     def execute_complete(self, context, event: dict, placement: dict, staged: dict, attempt: dict,
                          started: float) -> dict:
-        """Back from the triggerer: the Kubernetes gang finished or failed, another cluster would
-        admit it now, or it waited ``training.max_queue_wait_s``."""
+        """Back from the triggerer: the Kubernetes gang finished or failed, it waited a whole
+        admission window (moved to a cluster that would admit it now, or deferred again), or it
+        waited ``training.max_queue_wait_s``."""
         from hybridflow.backends import gang_backend
         from hybridflow.backends.errors import GangNotAdmitted
         from hybridflow.config import load_estate
@@ -105,9 +106,15 @@ class GangTrainOperator(BaseOperator):
         try:
             status = backend.on_event(event)
         except GangNotAdmitted as exc:
+            try:  # placement runs here, never in the trigger: move to a cluster with room, or stay
+                moved = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
+            except BaseException:
+                self._end_attempt(job, attempt, "not_admitted")
+                raise
+            if moved[0]["cluster"] == job.cluster.name:  # the gang keeps its place: wait another window
+                self._defer_to_gang(job, backend, estate, attempt, started, queued_since, created=False, admitted=False)
             self._end_attempt(job, attempt, "not_admitted")
-            placement, staged = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
-            return self._train_with_failover(context, settings, estate, placement, staged, queued_since)
+            return self._train_with_failover(context, settings, estate, *moved, queued_since)
         except BaseException as exc:
             self._end_attempt_on_error(job, attempt, exc, estate)
         attempts = self._end_attempt(job, attempt, "succeeded")
@@ -141,7 +148,7 @@ class GangTrainOperator(BaseOperator):
             moved = fail_over(self.run, placement, exc.cluster,
                               f"gang not admitted within {cfg.gang_admission_timeout_s:g} s", settings)
             if moved is not None:
-                self._leave_queue(exc.cluster, estate, settings)
+                self._leave_queue(exc.cluster, estate, settings, queued_since)
                 self.log.warning("Moved to cluster %s, which would admit the gang now", moved[0]["cluster"])
                 return moved
         down = fenced(exc.cluster, settings)
@@ -149,6 +156,7 @@ class GangTrainOperator(BaseOperator):
             from airflow.sdk.exceptions import AirflowFailException
 
             self._leave_fenced(exc.cluster, estate, settings)
+            self._note(exc.cluster, "fenced", queued_since, settings)
             raise AirflowFailException(f"not started: {down}")
         return self._wait_in_queue(context, exc, placement, staged, estate, settings, queued_since)
 
@@ -163,12 +171,24 @@ class GangTrainOperator(BaseOperator):
                 "workers, or trigger the run again when the cluster is less busy"
             )
 
-    def _leave_queue(self, cluster: str, estate, settings) -> None:
-        """Nothing of this run keeps queueing on a cluster it moved away from."""
+    def _leave_queue(self, cluster: str, estate, settings, queued_since: float) -> None:
+        """Nothing of this run keeps queueing on a cluster it moved away from: its Kubernetes job, or
+        its ticket in the local queue."""
         from hybridflow.backends import gang_backend
 
-        if self._job_name:
-            gang_backend(estate.clusters[cluster], estate, settings.state_dir).cancel(self._job_name)
+        backend = gang_backend(estate.clusters[cluster], estate, settings.state_dir)
+        if getattr(backend, "pool", None) is not None:
+            backend.pool.withdraw(f"train-{self.run['run_key']}")
+        elif self._job_name:
+            backend.cancel(self._job_name)
+        self._note(cluster, "moved", queued_since, settings)
+
+    def _note(self, cluster: str, state: str, queued_since: float, settings) -> None:
+        """How the run's wait on ``cluster`` ended (moved, fenced), for its page."""
+        from hybridflow.queueing import note_standing
+
+        note_standing(settings.private_root, self.run["run_key"], cluster=cluster, state=state,
+                      queued_since=queued_since)
 
     def _leave_fenced(self, cluster: str, estate, settings) -> None:
         """Nothing of this run waits or holds slots on a local cluster declared down: its gang's
@@ -186,9 +206,9 @@ class GangTrainOperator(BaseOperator):
                        queued_since: float) -> tuple[dict, dict]:
         """Keep the gang's place: in the triggerer (local slot queue, or a team over its cap before a
         Kubernetes gang is submitted); a blocking Kubernetes wait simply waits another window."""
-        from hybridflow.admission import AdmittedRun
         from hybridflow.backends import gang_backend
         from hybridflow.queueing import QueueWaitTrigger
+        from hybridflow.request import AdmittedRun
 
         cfg = estate.pipeline.training
         local = gang_backend(estate.clusters[exc.cluster], estate, settings.state_dir).supervised_by_task
@@ -201,7 +221,7 @@ class GangTrainOperator(BaseOperator):
                 kind="slots" if local else "team_cap", cluster=exc.cluster,
                 job={"name": self._job_name, "workers": req.workers, "priority": req.priority, "team": req.team,
                      "team_cap": team_cap},
-                run=dict(self.run), placement=dict(placement), queued_since=queued_since,
+                run=dict(self.run), queued_since=queued_since,
                 max_wait_s=cfg.max_queue_wait_s, recheck_s=cfg.gang_admission_timeout_s, poll_s=cfg.queue_poll_s),
             method_name="resume_after_wait",
             kwargs={"placement": placement, "staged": staged, "queued_since": queued_since},
@@ -210,7 +230,8 @@ class GangTrainOperator(BaseOperator):
 
     def resume_after_wait(self, context, event: dict, placement: dict, staged: dict, queued_since: float) -> dict:
         """Back from :class:`~hybridflow.queueing.QueueWaitTrigger`: admitted (launch on the slots it
-        took), another cluster has room (move there), or the wait ran out."""
+        took), a window passed or the cluster was declared down (move to a cluster with room now, wait
+        again, or fail naming the fence), or the wait ran out."""
         from hybridflow.backends.errors import GangNotAdmitted
         from hybridflow.config import load_estate
         from hybridflow.errors import GangError
@@ -225,7 +246,7 @@ class GangTrainOperator(BaseOperator):
         if status == "expired":
             self._fail_if_expired(cluster, queued_since, estate.pipeline.training.max_queue_wait_s,
                                   event.get("message", ""))
-        if status == "room_elsewhere":
+        if status in ("recheck", "fenced"):  # a window passed, or the cluster was declared down: placement's turn
             moved_or_stay = self._after_wait(
                 context, GangNotAdmitted(event.get("message", ""), cluster=cluster, queued_since=queued_since),
                 placement, staged, estate, settings, queued_since)
@@ -332,11 +353,9 @@ class GangTrainOperator(BaseOperator):
         """Submit the gang (or re-attach to the one this run already has there) and wait for it, in
         the triggerer when ``training.kubernetes_deferrable`` (no worker slot held for hours)."""
         from hybridflow.backends import gang_backend
-        from hybridflow.backends.base import GangJob
+        from hybridflow.backends.base import MISSING, PENDING, GangJob
         from hybridflow.backends.errors import GangNotAdmitted
-        from hybridflow.backends.k8s.backend import MISSING, PENDING
         from hybridflow.backends.k8s.manifests import gang_job_name
-        from hybridflow.backends.k8s.trigger import GangJobTrigger
         from hybridflow.queueing import hold_for_team_cap
 
         req = job.admitted.request
@@ -361,22 +380,8 @@ class GangTrainOperator(BaseOperator):
                 sub = backend.submit(backend.gang_spec(gang, pool=pool, queue=queue), gang.env)
             except BaseException as exc:
                 self._end_attempt_on_error(job, attempt, exc, estate)
-            self.log.info("gang %s %s on %s (%s); waiting in the triggerer", sub.name,
-                          "submitted" if sub.created else "re-attached", job.cluster.name, job.cluster.scheduler)
-            self.defer(
-                trigger=GangJobTrigger(
-                    conn_id=job.cluster.conn_id, scheduler=job.cluster.scheduler, namespace=backend.namespace,
-                    name=sub.name, cluster=job.cluster.name, submitted_at=started,
-                    admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
-                    admitted=sub.status.phase not in (PENDING, MISSING), queued_since=queued_since or started,
-                    max_wait_s=cfg.max_queue_wait_s, run=dict(self.run), placement=dict(job.placement),
-                    request_timeout_s=backend.read_timeout_s, api_outage_s=cfg.kubernetes_api_outage_s,
-                    max_retry=backend.max_retry,
-                ),
-                method_name="execute_complete",
-                kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
-                        "started": started},
-            )
+            self._defer_to_gang(job, backend, estate, attempt, started, queued_since or started, created=sub.created,
+                                admitted=sub.status.phase not in (PENDING, MISSING))
         try:
             status = backend.run(gang, pool=pool, queue=queue, admission_timeout_s=cfg.gang_admission_timeout_s,
                                  poll_s=cfg.kubernetes_poll_s, log=self.log)
@@ -389,6 +394,50 @@ class GangTrainOperator(BaseOperator):
         attempts = self._end_attempt(job, attempt, "succeeded")
         backend.delete_secret(self._job_name)  # the store credentials do not outlive the gang
         return self._bring_home(job, attempts, status.retries, started)
+
+    def _defer_to_gang(self, job: TrainJob, backend, estate, attempt: dict, started: float, queued_since: float,
+                       *, created: bool, admitted: bool) -> NoReturn:
+        """Wait for the submitted gang in the triggerer for one admission window (no worker slot held
+        for hours). Where a pending gang stands goes to the run's queue.json first: the trigger only
+        waits, it writes nothing."""
+        from hybridflow.backends.k8s.trigger import GangJobTrigger
+        from hybridflow.settings import get_settings
+
+        cfg = estate.pipeline.training
+        cluster = job.cluster
+        self.log.info("gang %s %s on %s (%s); waiting in the triggerer", self._job_name,
+                      "submitted" if created else "re-attached", cluster.name, cluster.scheduler)
+        if not admitted:
+            self._note_waiting(job, backend, estate, queued_since, get_settings())
+        self.defer(
+            trigger=GangJobTrigger(
+                conn_id=cluster.conn_id, scheduler=cluster.scheduler, namespace=backend.namespace,
+                name=self._job_name, cluster=cluster.name, submitted_at=time.time(),
+                admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
+                admitted=admitted, queued_since=queued_since, max_wait_s=cfg.max_queue_wait_s,
+                request_timeout_s=backend.read_timeout_s, api_outage_s=cfg.kubernetes_api_outage_s,
+                max_retry=backend.max_retry,
+            ),
+            method_name="execute_complete",
+            kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
+                    "started": started},
+        )
+        raise AssertionError("defer() raises")  # pragma: no cover
+
+    def _note_waiting(self, job: TrainJob, backend, estate, queued_since: float, settings) -> None:
+        """The gang's position, the GPUs ahead of it and an estimated start, for the run's page and
+        the task log. Best effort: the standing is a help, never a reason to stop waiting."""
+        from hybridflow.queueing import describe, estimate_for, note_standing
+
+        try:
+            load = backend.load()
+            note = note_standing(settings.private_root, job.run_key, cluster=job.cluster.name, state="waiting",
+                                 queued_since=queued_since, standing=backend.standing(self._job_name),
+                                 estimate=estimate_for(estate, job.cluster.name, job.admitted.workers, load))
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("gang %s: standing unknown (%s)", self._job_name, exc)
+            return
+        self.log.info("gang %s %s", self._job_name, describe(note))
 
     def _admitted_after(self, job: TrainJob, label: str, waited_s: float, settings) -> None:
         from hybridflow.queueing import record_admission
@@ -403,7 +452,7 @@ class GangTrainOperator(BaseOperator):
         retry, like a local one."""
         from airflow.sdk.exceptions import AirflowFailException
 
-        from hybridflow.backends.local import GangFailed
+        from hybridflow.backends.errors import GangFailed
         from hybridflow.budgets.enforce import refuse_if_frozen
         from hybridflow.errors import AdmissionError
 
@@ -417,7 +466,7 @@ class GangTrainOperator(BaseOperator):
             if stopped is not None:
                 self._end_attempt(job, attempt, "stopped")
                 raise AirflowFailException(f"gang {self._job_name} stopped: {stopped}. {_resume_hint(job)}") from exc
-        from hybridflow.backends.k8s.backend import PreemptionBudgetSpent
+        from hybridflow.backends.errors import PreemptionBudgetSpent
 
         if isinstance(exc, PreemptionBudgetSpent) and not self._killed:  # as on the local backend: no retry
             self._end_attempt(job, attempt, "preempted")

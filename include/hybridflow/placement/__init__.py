@@ -1,5 +1,7 @@
 """Where a run trains and where its data and checkpoints live.
 
+- :mod:`~hybridflow.placement.decide`: the one entry: where a run trains, where a waiting gang
+  moves, which clusters a run may use;
 - :mod:`~hybridflow.placement.rules`: the rules that choose the cluster and node pool (pure: the
   estate and usage numbers in, a decision out);
 - :mod:`~hybridflow.placement.decision`: that decision (:class:`PlacementDecision`), its XCom form and

@@ -1,5 +1,6 @@
 """What placement decides on, read now: every cluster's load as its gang backend reports it, the GPUs
-each team holds, and each cluster's expected wait for a run with ``start_by``."""
+each team holds, and each cluster's expected wait for a run with ``start_by``
+(:func:`hybridflow.placement.decide.decide` reads them)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,6 @@ def cluster_loads(estate, settings: Settings) -> dict:
     return estate_load(estate, settings.state_dir)
 
 
-def team_usage(estate, settings: Settings) -> dict[str, int]:
-    """GPUs each team's gangs hold right now, across the estate."""
-    from hybridflow.backends import team_usage as held
-
-    return held(cluster_loads(estate, settings))
-
-
 def wait_estimates(run, estate, loads: Mapping[str, Any]) -> dict | None:
     """Each cluster's expected wait for the run's gang, for a run with ``start_by`` (None otherwise)."""
     if not run.start_by_s:
@@ -41,13 +35,3 @@ def wait_estimates(run, estate, loads: Mapping[str, Any]) -> dict | None:
         history = []
     return estimate_waits(history, loads, run.workers, quantile=cfg.wait_quantile, min_samples=cfg.wait_min_samples,
                           days=cfg.wait_history_days)
-
-
-def place_elsewhere(admitted, placement: Mapping[str, Any], cluster: str, reason: str, estate, settings: Settings):
-    """Place a waiting gang again on a cluster that would admit it now, without ``cluster`` (why:
-    ``reason``) and every cluster it already left; PlacementError when none would."""
-    from hybridflow.placement.rules import place
-
-    excluded = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])}
-    excluded[cluster] = reason
-    return place(admitted, estate, cluster_loads(estate, settings), exclude=excluded, require_room=True)

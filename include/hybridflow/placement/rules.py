@@ -42,7 +42,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.admission import AdmittedRun
 from hybridflow.backends.base import ClusterLoad
 from hybridflow.config import Cluster, Estate, NodePool
 from hybridflow.errors import PlacementError
@@ -57,6 +56,7 @@ from hybridflow.placement.takeover import (
     role_verdict,
     takeover_verdict,
 )
+from hybridflow.request import AdmittedRun
 from hybridflow.waits import WaitEstimate, format_duration
 
 

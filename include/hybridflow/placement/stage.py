@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: Settings) -> dict:
     """Stage the run's validated dataset for ``placement``'s cluster; the train task's data source."""
     from hybridflow import rundata
-    from hybridflow.admission import AdmittedRun
     from hybridflow.backends import gang_backend
     from hybridflow.config import load_estate
     from hybridflow.datasets import locate
     from hybridflow.placement.places import cache_store_spec
+    from hybridflow.request import AdmittedRun
     from hybridflow.sovereignty import Destination
     from hybridflow.staging import StagingSettings, index_path_for, read_manifest, stage_dataset
     from hybridflow.storage.objectstore import open_store

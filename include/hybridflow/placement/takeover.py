@@ -1,4 +1,4 @@
-"""Placement while clusters are declared down (:mod:`hybridflow.dr.fencing`).
+"""Placement while clusters are declared down (:mod:`hybridflow.fencing`).
 
 - ``fenced``: a cluster declared down takes no new placements (recorded on every cluster while any
   is down);
@@ -53,7 +53,7 @@ class Takeover:
 
 def current(estate: Any, state_dir: Any = None) -> Takeover:
     """The takeover as the fence file says now."""
-    from hybridflow.dr.fencing import down_clusters, state_path
+    from hybridflow.fencing import down_clusters, state_path
 
     return Takeover.of(estate, down_clusters(state_path(state_dir)))
 

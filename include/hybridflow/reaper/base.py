@@ -6,7 +6,8 @@ releases one of them (idempotent: a thing already gone is released). Each :class
 the Airflow task it was made for (:class:`Owner`) when it has one; the sweep decides from Airflow's
 states whether that owner is still alive and never releases what a live run may still use. Things
 without an owner (a serving version, a multipart upload) carry the finder's own verdict in
-``reason``.
+``reason``. A gang carries the Airflow instance that made it (:func:`hybridflow.backends.base.instance_identity`):
+one of another instance, or naming none, is found with ``skip`` set, and the sweep only reports it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Leftover:
     since: datetime | None = None  # when it was made or started (aware UTC), if known
     reason: str = ""  # why it is a leftover, for things judged without an owner
     detail: dict = field(default_factory=dict, compare=False)  # what release() needs, e.g. a pid
+    # Why this instance's sweep leaves it alone without judging it: another Airflow instance made it
+    # (its run ids mean nothing in this instance's metadata database), or it names no instance.
+    skip: str = ""
 
 
 KINDS = (
@@ -45,6 +49,7 @@ KINDS = (
     "gang-secret",  # a gang's credentials Secret
     "local-gang",  # a local backend gang: its processes and slots
     "slot-holding",  # a local slot holding whose gang is gone
+    "queue-ticket",  # a local gang's place in its cluster's queue (it holds no GPUs, but gangs behind it wait)
     "serving-version",  # a serving version that is neither stable nor canary
     "multipart-upload",  # an unfinished multipart upload older than the set age
     "scratch",  # a finished run's scratch folder
@@ -90,3 +95,5 @@ class Sweep:
     kept: int = 0  # candidates kept because their owner is alive (or could not be judged)
     errors: dict[str, str] = field(default_factory=dict)  # place -> why it could not be swept
     key: str = ""
+    # Found, but not this instance's to judge (``Leftover.skip`` says why): never released, never counted as kept.
+    skipped: list[Leftover] = field(default_factory=list)

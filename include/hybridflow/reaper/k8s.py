@@ -4,7 +4,9 @@ whose job is gone, and credentials Secrets whose gang job is gone, in the cluste
 Only objects carrying the product's gang label (``hybridflow.io/gang``) are listed, through the
 provider's ``KubernetesHook`` of the cluster's Connection, each call bounded by the cluster read
 timeout. Each names its owner in annotations (:mod:`hybridflow.reaper.owners`); one without them
-is kept, except a pod whose gang job is gone (nothing will ever manage it again). Pods and Secrets
+is kept, except a pod whose gang job is gone (nothing will ever manage it again). Each also names
+the Airflow instance that made it (label ``hybridflow.io/instance``): one of another instance, or
+naming none, is found with ``skip`` set and only reported, whatever its owner. Pods and Secrets
 are listed before the jobs, so a gang created meanwhile is seen with its job.
 
 A gang job is released with its pods, Secret and Service (background propagation: pods are not
@@ -16,38 +18,45 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from hybridflow.backends.k8s.backend import delete_gang, make_hook
+from hybridflow.backends.base import instance_identity
+from hybridflow.backends.k8s.backend import delete_gang
 from hybridflow.backends.k8s.manifests import (
     GANG_LABEL,
     GPU_RESOURCE,
+    INSTANCE_LABEL,
     VOLCANO_GROUP,
     VOLCANO_PLURAL,
     VOLCANO_VERSION,
 )
+from hybridflow.hooks.kubernetes import kubernetes_hook
 from hybridflow.reaper.base import Finder, Leftover
-from hybridflow.reaper.owners import owner_from_annotations
+from hybridflow.reaper.owners import not_ours, owner_from_annotations
 
 _HOLDING = ("Pending", "Running")  # pod phases that hold their GPUs
 
 
 class KubernetesGangFinder(Finder):
-    """Gang jobs, stray gang pods and Secrets of one ``kubernetes`` cluster of the estate."""
+    """Gang jobs, stray gang pods and Secrets of one ``kubernetes`` cluster of the estate; ``instance``:
+    the Airflow instance whose gangs it may release (default: this one's,
+    :func:`~hybridflow.backends.base.instance_identity`)."""
 
-    def __init__(self, cluster: Any, *, timeout_s: float, hook: Any = None) -> None:
+    def __init__(self, cluster: Any, *, timeout_s: float, hook: Any = None, instance: str | None = None) -> None:
         self.cluster = cluster
         self.place = cluster.name
         self.namespace = cluster.k8s_namespace
         self.scheduler = cluster.scheduler
         self.timeout_s = timeout_s
         self._hook = hook
+        self.instance = instance
 
     @property
     def hook(self) -> Any:
         if self._hook is None:
-            self._hook = make_hook(self.cluster.conn_id)
+            self._hook = kubernetes_hook(self.cluster.conn_id)
         return self._hook
 
     def find(self, now: datetime) -> list[Leftover]:
+        self._mine = self.instance or instance_identity()
         kw = {"namespace": self.namespace, "label_selector": GANG_LABEL, "_request_timeout": self.timeout_s}
         core = self.hook.core_v1_client
         secrets = [_plain(s) for s in core.list_namespaced_secret(**kw).items or []]
@@ -81,8 +90,10 @@ class KubernetesGangFinder(Finder):
     def _leftover(self, kind: str, obj: dict, *, gpus: int = 0, reason: str = "", gang: str = "") -> Leftover:
         meta = obj.get("metadata") or {}
         owner = owner_from_annotations(meta.get("annotations"))
+        fix = (f"label it {INSTANCE_LABEL}={self._mine} (kubectl label) for this instance's reaper to judge it")
         return Leftover(self.place, kind, meta["name"], owner=owner, gpus=gpus, since=_created(meta),
-                        reason="" if owner else reason, detail={"gang": gang or meta["name"]})
+                        reason="" if owner else reason, detail={"gang": gang or meta["name"]},
+                        skip=not_ours(_labels(obj).get(INSTANCE_LABEL), self._mine, fix=fix))
 
     def release(self, leftover: Leftover) -> None:
         kw = {"name": leftover.name, "namespace": self.namespace, "_request_timeout": self.timeout_s}

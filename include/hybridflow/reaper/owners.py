@@ -1,9 +1,14 @@
-"""The owner a gang carries: the Airflow task it was made for, written where the gang lives.
+"""The owner a gang carries: the Airflow task it was made for, and the Airflow instance that made it,
+written where the gang lives.
 
 On Kubernetes a label value cannot hold a run id (``:``, ``+``), so the owner goes into annotations
 (:func:`owner_annotations`, read back by :func:`owner_from_annotations`) on the gang's job, its pod
 template and its Secret. The local backend keeps it as a JSON object in the gang's job folder
 (``GangJob.owner``: the same four keys, as strings; :func:`owner_from_record`).
+
+The instance (:func:`hybridflow.backends.base.instance_identity`) is the label
+``hybridflow.io/instance`` on Kubernetes and the key ``instance`` of the local owner.json;
+:func:`not_ours` says why a sweep of another instance leaves the gang alone.
 """
 
 from __future__ import annotations
@@ -48,3 +53,13 @@ def owner_from_annotations(annotations: Mapping[str, str] | None) -> Owner | Non
     """The :class:`Owner` in an object's annotations; None when they do not name one."""
     annotations = annotations or {}
     return owner_from_record({k: annotations.get(f"{PREFIX}{k.replace('_', '-')}") for k in KEYS})
+
+
+def not_ours(found: str | None, mine: str, *, fix: str) -> str:
+    """'' when a gang carrying the instance identity ``found`` is this instance's (``mine``); else why
+    this instance's sweep leaves it alone (``fix``: how to hand a gang that names none to this one)."""
+    if found == mine:
+        return ""
+    if not found:
+        return f"names no Airflow instance (made before instances were recorded, or by hand); {fix}"
+    return f"was made by Airflow instance {found}, not by this one ({mine}): that instance's reaper judges it"

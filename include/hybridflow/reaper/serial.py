@@ -22,6 +22,7 @@ def sweep_to_dict(sweep: Sweep) -> dict[str, Any]:
         "key": sweep.key, "started": _time(sweep.started), "finished": _time(sweep.finished),
         "kept": sweep.kept, "errors": dict(sweep.errors),
         "releases": [_release_to_dict(r) for r in sweep.releases],
+        "skipped": [{"place": lo.place, "kind": lo.kind, "name": lo.name, "skip": lo.skip} for lo in sweep.skipped],
     }
 
 
@@ -42,5 +43,7 @@ def sweep_from_dict(body: dict[str, Any]) -> Sweep:
                             since=_parse(r.get("since")), reason=r.get("reason") or "")
         releases.append(Release(leftover, dry_run=bool(r["dry_run"]), released=bool(r["released"]),
                                 gpu_hours=float(r.get("gpu_hours") or 0.0), error=r.get("error") or ""))
+    skipped = [Leftover(s["place"], s["kind"], s["name"], skip=s["skip"]) for s in body.get("skipped") or []]
     return Sweep(started=_parse(body["started"]), finished=_parse(body.get("finished")), releases=releases,
-                 kept=int(body.get("kept") or 0), errors=dict(body.get("errors") or {}), key=body.get("key") or "")
+                 kept=int(body.get("kept") or 0), errors=dict(body.get("errors") or {}), key=body.get("key") or "",
+                 skipped=skipped)

@@ -159,7 +159,7 @@ class KubernetesServingFinder(Finder):
     """Leftover versions of the inference pool's endpoints on a Kubernetes cluster.
 
     What to pass: ``place``, the cluster's name (``serving.kubernetes.cluster``); ``hook``, the
-    provider's hook of that cluster (``hybridflow.backends.k8s.backend.make_hook(cluster.conn_id)``);
+    provider's hook of that cluster (``hybridflow.hooks.kubernetes.kubernetes_hook(cluster.conn_id)``);
     ``namespace``, ``serving.kubernetes.namespace``; ``models_dir`` (optional),
     ``serving.kubernetes.models_dir`` where the sweep can reach the models volume (None: bundles are
     not looked at); ``grace`` (optional, default 24 h), the age a bundle must reach before it can go.
@@ -266,8 +266,8 @@ def finders(estate: Any, settings: Any, config: Any = None) -> list[Finder]:
     serving = estate.pipeline.serving
     if target_name(serving) == "local":
         return [LocalServingFinder("serving", Path(settings.state_dir) / "serving")]
-    from hybridflow.backends.k8s.backend import make_hook
+    from hybridflow.hooks.kubernetes import kubernetes_hook
 
     k8s = serving.kubernetes
-    return [KubernetesServingFinder(k8s.cluster, make_hook(estate.clusters[k8s.cluster].conn_id), k8s.namespace,
+    return [KubernetesServingFinder(k8s.cluster, kubernetes_hook(estate.clusters[k8s.cluster].conn_id), k8s.namespace,
                                     models_dir=k8s.models_dir)]

@@ -1,7 +1,8 @@
 """One sweep: ask every finder for its candidates, judge each by its owner's Airflow states (or the
 finder's own reason), and release the leftovers, or only list them where the place is in dry-run.
 
-A place whose finder fails is an error of the sweep (``Sweep.errors``), never a crash of the
+A thing the finder marks as not this Airflow instance's (``Leftover.skip``) is only reported
+(``Sweep.skipped``). A place whose finder fails is an error of the sweep (``Sweep.errors``), never a crash of the
 others; a release that fails is recorded with its error. Releasing is idempotent, so a cleared and
 re-run sweep does no harm.
 """
@@ -56,14 +57,19 @@ def sweep(finders: Iterable[Finder], states: Judge, *, dry_run: Callable[[str], 
             out.errors[finder.place] = "; ".join(filter(None, (out.errors.get(finder.place), why)))
             continue
         for leftover in found:
+            if leftover.skip:
+                log.info("leaving %s %s in %s alone: it %s", leftover.kind, leftover.name, leftover.place, leftover.skip)
+                out.skipped.append(leftover)
+                continue
             release = _settle(finder, leftover, states, dry_run(leftover.place), now)
             if release is None:
                 out.kept += 1
             else:
                 out.releases.append(release)
     out.finished = clock()
-    log.info("sweep %s: %d released, %d listed (dry-run), %d kept, %d places with errors", key or "(no key)",
-             sum(r.released for r in out.releases), sum(r.dry_run for r in out.releases), out.kept, len(out.errors))
+    log.info("sweep %s: %d released, %d listed (dry-run), %d kept, %d left alone (another Airflow instance's, or "
+             "naming none), %d places with errors", key or "(no key)", sum(r.released for r in out.releases),
+             sum(r.dry_run for r in out.releases), out.kept, len(out.skipped), len(out.errors))
     return out
 
 

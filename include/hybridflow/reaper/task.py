@@ -46,7 +46,8 @@ def record(body: dict) -> dict:
     record_sweep(done, key=done.key)
     counts = {"key": done.key, "released": sum(r.released for r in done.releases),
               "listed": sum(r.dry_run and not r.error for r in done.releases), "failed": sum(bool(r.error) for r in done.releases),
-              "kept": done.kept, "gpu_hours_stopped": round(sum(r.gpu_hours for r in done.releases if r.released), 4)}
+              "kept": done.kept, "gpu_hours_stopped": round(sum(r.gpu_hours for r in done.releases if r.released), 4),
+              "other_instances": len(done.skipped)}
     log.info("recorded sweep %s", counts)
     if done.errors:  # not retried: the same sweep would be recorded again with the same errors
         from airflow.sdk.exceptions import AirflowFailException

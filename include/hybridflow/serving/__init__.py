@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from hybridflow.config import Estate, ServingSettings
     from hybridflow.serving.base import DeployTarget
 
-# name -> "module.Class"; the name is what ``serving.target`` in pipeline.yaml holds.
+# name -> "module.Class"; the name is what ``serving.target`` in pipeline.yaml holds, one of
+# config's DEPLOY_TARGET_NAMES (config checks the name; this table imports the class).
 DEPLOY_TARGETS: dict[str, str] = {
     "local": "hybridflow.serving.deploy.LocalTarget",
     "kubernetes": "hybridflow.serving.k8s.KubernetesTarget",

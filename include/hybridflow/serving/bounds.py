@@ -25,13 +25,17 @@ class Bounds:
     (status, JSON body)`` answered here without the framework's routing and middleware: the predict
     route, where they took a tenth of the server's time at 64 concurrent clients."""
 
-    def __init__(self, app: Any, *, version: str, max_body_bytes: int, timeout_s: float,
-                 direct: dict[str, Callable[[bytes, dict], Any]] | None = None) -> None:
+    def __init__(self, app: Any, *, version: str | None, max_body_bytes: int, timeout_s: float,
+                 direct: dict[str, Callable[[bytes, dict], Any]] | None = None, bound_answer: bool = True) -> None:
+        """``version``: the ``X-Model-Version`` of every answer (None: the app sets its own);
+        ``bound_answer``: False bounds only the reading of the request by ``timeout_s``, for an app that
+        bounds its answer itself (the gateway, waiting for a backend)."""
         self.app = app
-        self.version = version.encode()
+        self.version = version.encode() if version is not None else None
         self.max_body_bytes = max_body_bytes
         self.timeout_s = timeout_s
         self.direct = direct or {}
+        self.bound_answer = bound_answer
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -43,7 +47,8 @@ class Bounds:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message = {**message, "headers": [*message.get("headers", []), (b"x-model-version", self.version)]}
+                if self.version is not None:
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-model-version", self.version)]}
             await send(message)
 
         async def answer(status: int, error: str) -> None:
@@ -52,18 +57,21 @@ class Bounds:
                     await send_versioned(message)
 
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s) as deadline:
                 if scope["method"] in ("POST", "PUT", "PATCH"):
                     body = await self._read_body(scope, receive, answer)
                     if body is None:
                         return
-                    handler = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
+                    receive = _replay(body, receive)
+                if not self.bound_answer:
+                    deadline.reschedule(None)
+                if scope["method"] == "POST":
+                    handler = self.direct.get(scope["path"])
                     if handler is not None:
                         status, payload = await handler(body, scope["headers"])
                         for message in _json(status, payload):
                             await send_versioned(message)
                         return
-                    receive = _replay(body, receive)
                 await self.app(scope, receive, send_versioned)
         except TimeoutError:
             await answer(408, f"the request took longer than {self.timeout_s:g} s (request_timeout_s); "
@@ -78,9 +86,14 @@ class Bounds:
         if length is None and b"chunked" not in headers.get(b"transfer-encoding", b""):
             await answer(411, "a valid Content-Length header is required")
             return None
-        if length is not None and int(length) > limit:
-            await answer(413, f"body is {int(length)} bytes; {too_big}")
-            return None
+        if length is not None:
+            # Digits only, and few of them: int() of thousands of digits is refused (and slow).
+            if not length.isdigit() or len(length) > 18:
+                await answer(400, "Content-Length must be the body's size in bytes")
+                return None
+            if int(length) > limit:
+                await answer(413, f"body is {int(length)} bytes; {too_big}")
+                return None
         chunks, size = [], 0
         while True:
             message = await receive()

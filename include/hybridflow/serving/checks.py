@@ -72,7 +72,7 @@ class DeployPlan:
     def __init__(self, bundle_dir: Path, version: str, endpoint: str, port: int,
                  smoke: tuple[np.ndarray, np.ndarray], metric: Mapping[str, Any]) -> None:
         from hybridflow import bundle, scoring
-        from hybridflow.registry import METRICS, MetricSpec
+        from hybridflow.config.registry import METRICS, MetricSpec
 
         check_version(version)
         check_endpoint(endpoint)

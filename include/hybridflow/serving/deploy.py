@@ -175,7 +175,7 @@ class LocalTarget(DeployTarget[_Started]):
         if not isinstance(active.get("result"), dict) or not backend_healthy(active, self.endpoint):
             return None
         try:
-            ensure_gateway(self.root, self.port, self.log)
+            ensure_gateway(self.root, self.port, self.log, self.settings.server)
         except StepFailed as exc:
             raise DeploymentError(f"{self.endpoint} version {current.version} is active but the gateway cannot "
                                   f"start: {exc}") from exc
@@ -215,7 +215,7 @@ class LocalTarget(DeployTarget[_Started]):
         plan, proc, version, endpoint = staged.plan, staged.proc, staged.version, self.endpoint
         # While the new server loads its model: a gateway that cannot run fails the deploy early.
         staged.step = "gateway"
-        ensure_gateway(self.root, self.port, self.log)
+        ensure_gateway(self.root, self.port, self.log, self.settings.server)
         staged.step = "start"
         backend_port = wait_ready(proc, staged.ready, staged.log_path, staged.log_since, START_TIMEOUT_S)
         url = url_of(backend_port)
@@ -268,7 +268,7 @@ class LocalTarget(DeployTarget[_Started]):
             body = {**mine, "model": plan.card.model, "variant": plan.card.variant, "bundle": str(plan.bundle_dir),
                     "activated_at": now(), "result": staged.outcome}
         # While the endpoint is taken over by the DR side (a cluster declared down), the gateway keeps
-        # routing there: only a failback through the gate (hybridflow.dr.serving_failback) ends it.
+        # routing there: only a failback through the gate (hybridflow.dr.failover.serving_failback) ends it.
         takeover = (read_json(self.edir / ACTIVE_FILE) or {}).get(TAKEOVER)
         if takeover:
             body[TAKEOVER] = takeover
@@ -395,7 +395,7 @@ def stop_endpoint(state_root: Path, endpoint: str) -> dict[str, Any]:
         active = read_json(edir / ACTIVE_FILE) or {}
         if terminate(active.get("pid"), SERVER_MODULE, str(_ready_file(edir, str(active.get("version"))))):
             stopped.append(active["pid"])
-        dr = active.get(TAKEOVER) or {}  # the DR side's server (hybridflow.dr.serving_failover)
+        dr = active.get(TAKEOVER) or {}  # the DR side's server (hybridflow.dr.failover.serving)
         if terminate(dr.get("pid"), SERVER_MODULE, str(edir / TAKEOVER / f"{dr.get('version')}.ready")):
             stopped.append(dr["pid"])
         # Nothing serves any more; an active.json left behind would describe a dead backend.

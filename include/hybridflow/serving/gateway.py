@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.serving.checks import StepFailed, http_json, model_url, predict, url_of
 from hybridflow.serving.processes import (
@@ -27,6 +27,9 @@ from hybridflow.serving.processes import (
     terminate,
     write_json,
 )
+
+if TYPE_CHECKING:
+    from hybridflow.config.pipeline import ModelServerSettings
 
 ROUTER_MODULE = "hybridflow.serving.router"
 ROUTER_START_TIMEOUT_S = 30.0
@@ -48,7 +51,17 @@ def probe_gateway(port: int, root: Path, timeout: float = 2.0) -> tuple[bool | N
     return body.get("router") is True and body.get("state_root") == str(root), body
 
 
-def ensure_gateway(root: Path, port: int, log: Log) -> None:
+def gateway_args(settings: ModelServerSettings | None) -> list[str]:
+    """The gateway's bounds as the model servers behind it have theirs (``serving.server``): a body
+    they would refuse is not worth buffering, and a client gets the same time to send its request."""
+    if settings is None:
+        return []
+    return ["--max-body-mib", str(settings.max_body_mib), "--request-timeout-s", str(settings.request_timeout_s)]
+
+
+def ensure_gateway(root: Path, port: int, log: Log, settings: ModelServerSettings | None = None) -> None:
+    """Our gateway answers on ``port`` for ``root`` (started if nothing answers there), bounded by
+    ``settings`` (the model servers', :func:`gateway_args`)."""
     with gateway_lock(root):
         marker = str(root)
         found, body = probe_gateway(port, root)
@@ -65,7 +78,8 @@ def ensure_gateway(root: Path, port: int, log: Log) -> None:
         terminate(recorded.get("pid"), ROUTER_MODULE, marker)  # ours but not answering on this port
         log_path = root / GATEWAY_LOG
         since = log_size(log_path)
-        proc = spawn([ROUTER_MODULE, "--state-root", marker, "--port", str(port)], log_path, root)
+        proc = spawn([ROUTER_MODULE, "--state-root", marker, "--port", str(port), *gateway_args(settings)],
+                     log_path, root)
         write_json(root / GATEWAY_FILE, {"pid": proc.pid, "port": port, "log": str(log_path), "started_at": now()})
         say(log, f"started the model gateway pid {proc.pid} on {url_of(port)}")
         deadline = time.monotonic() + ROUTER_START_TIMEOUT_S

@@ -204,7 +204,7 @@ class KubernetesTarget(DeployTarget[_Track]):
 
     @classmethod
     def from_estate(cls, estate: Estate, endpoint: str, *, state_dir: Path, log: Any = None) -> KubernetesTarget:
-        from hybridflow.backends.k8s.backend import make_hook
+        from hybridflow.hooks.kubernetes import kubernetes_hook
 
         k8s = estate.pipeline.serving.kubernetes
         if k8s is None:
@@ -216,7 +216,7 @@ class KubernetesTarget(DeployTarget[_Track]):
                              gpus_per_replica=k8s.gpus_per_replica)
         where = {"cluster": k8s.cluster, "namespace": k8s.namespace,
                  "endpoint_url": f"http://{endpoint}.{k8s.namespace}.svc:{k8s.port}/v1/models/{endpoint}"}
-        return cls(InferenceRollout(make_hook(cluster.conn_id), pool), image=k8s.image,
+        return cls(InferenceRollout(kubernetes_hook(cluster.conn_id), pool), image=k8s.image,
                    canary_percent=k8s.canary_percent, timeout_s=k8s.ready_timeout_s,
                    models_dir=Path(k8s.models_dir), log=log, where=where)
 

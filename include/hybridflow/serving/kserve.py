@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     from hybridflow.serving.checks import DeployPlan
 
 API_TIMEOUT_S = 30.0  # every call to the API server is bounded
+# Knative Serving's Service: served where KServe can run in Serverless mode, the only mode in which it
+# splits traffic by canaryTrafficPercent.
+KNATIVE_SERVICES = ("serving.knative.dev", "v1", "services")
 
 
 class InferenceServiceApi:
@@ -93,6 +96,26 @@ class InferenceServiceApi:
             for key in replacing:
                 body["spec"]["predictor"].setdefault(key, None)
         self.patch(body)
+
+    def knative_served(self) -> bool | None:
+        """Whether the cluster serves Knative Serving's API; None where this identity may not ask.
+
+        KServe resolves an InferenceService asking for Serverless mode on a cluster without Knative
+        to a terminal error that it logs but never writes to the status (KServe v0.20), so without
+        this a deploy would wait its whole ready timeout for nothing."""
+        group, version, plural = KNATIVE_SERVICES
+        try:
+            self.hook.custom_object_client.list_namespaced_custom_object(
+                group=group, version=version, plural=plural, namespace=self.namespace, limit=1,
+                _request_timeout=API_TIMEOUT_S)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status == 404:  # the API server does not serve the group: no Knative Serving
+                return False
+            if status in (401, 403):
+                return None
+            raise
+        return True
 
     def delete(self) -> bool:
         try:
@@ -171,7 +194,7 @@ class KServeTarget(DeployTarget[_Revision]):
 
     @classmethod
     def from_estate(cls, estate: Estate, endpoint: str, *, state_dir: Path, log: Any = None) -> KServeTarget:
-        from hybridflow.backends.k8s.backend import make_hook
+        from hybridflow.hooks.kubernetes import kubernetes_hook
 
         serving = estate.pipeline.serving
         k8s = serving.kubernetes
@@ -183,7 +206,7 @@ class KServeTarget(DeployTarget[_Revision]):
                              models_claim=k8s.models_claim, replicas=k8s.replicas, port=k8s.port,
                              gpus_per_replica=k8s.gpus_per_replica)
         where = {"cluster": k8s.cluster, "namespace": k8s.namespace, "inference_service": endpoint}
-        return cls(InferenceServiceApi(make_hook(cluster.conn_id), k8s.namespace, endpoint), pool, image=k8s.image,
+        return cls(InferenceServiceApi(kubernetes_hook(cluster.conn_id), k8s.namespace, endpoint), pool, image=k8s.image,
                    settings=serving, server_args=_server_args(serving), models_dir=Path(k8s.models_dir),
                    timeout_s=k8s.ready_timeout_s, log=log, where=where)
 
@@ -200,6 +223,7 @@ class KServeTarget(DeployTarget[_Revision]):
         if request.smoke is None or request.bundle_dir is None:
             raise ValueError("smoke, bundle_dir: the kserve target smoke-tests every version through its "
                              "InferenceService; pass the bundle and the held-out (inputs, targets)")
+        self._check_serverless()
         plan = DeployPlan(Path(request.bundle_dir), request.version, self.endpoint, self.pool.port, request.smoke(),
                           request.metric)
         release = Release(version=request.version, variant=plan.card.variant, image=self.image)
@@ -208,6 +232,20 @@ class KServeTarget(DeployTarget[_Revision]):
             published = publish_model(plan.bundle_dir, self.models_dir, self.endpoint, release)
             say(self.log, f"Model {release.version} ({release.variant}) published to {published}")
         return plan
+
+    def _check_serverless(self) -> None:
+        """Refuse, before anything changes, a cluster where KServe cannot run in Serverless mode."""
+        served = self.api.knative_served()
+        where = f"cluster {self.where['cluster']}" if self.where.get("cluster") else "the serving cluster"
+        if served is False:
+            raise DeploymentError(
+                f"{where} serves no Knative Serving API ({'/'.join(KNATIVE_SERVICES[:2])}), and serving.kubernetes."
+                f"kind: kserve moves a canary's traffic with canaryTrafficPercent, which KServe supports only in "
+                f"Serverless mode, over Knative: install Knative Serving (and its networking layer) there, or "
+                f"serve with serving.kubernetes.kind: deployment; nothing was changed")
+        if served is None:
+            say(self.log, f"{self.endpoint}: could not check {where} for Knative Serving (no permission to list "
+                          f"{KNATIVE_SERVICES[0]} services in {self.pool.namespace}); going on")
 
     def current(self) -> Serving | None:
         obj = self.api.read()

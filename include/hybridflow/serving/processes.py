@@ -76,10 +76,28 @@ def log_size(path: Path) -> int:
         return 0
 
 
+# What a model server or the gateway reads from the environment that starts it. Nothing else is
+# passed on: the task that starts them holds Airflow's database URL, Fernet key and JWT secret, cloud
+# credentials and Connections (AIRFLOW__*, AIRFLOW_CONN_*, AWS_*), which a process answering HTTP must
+# not hold.
+CHILD_ENV = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    "PYTHONPATH",  # where the model's own code (its bundle's entry points) is importable from
+    "LD_LIBRARY_PATH",  # GPU and math libraries outside the virtualenv
+})
+CHILD_ENV_PREFIXES = (
+    "LC_",  # locale
+    "OMP_", "MKL_", "OPENBLAS_",  # math library threads
+    "CUDA_", "NVIDIA_", "PYTORCH_",  # which GPUs, and torch's allocator
+)
+
+
 def child_env() -> dict[str, str]:
+    """The environment of a model server or the gateway: :data:`CHILD_ENV` and :data:`CHILD_ENV_PREFIXES`
+    of this one, and where to import this package from."""
     import hybridflow
 
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k in CHILD_ENV or k.startswith(CHILD_ENV_PREFIXES)}
     # The child must import this very package even when it is not installed (e.g. run from a checkout).
     package_root = str(Path(hybridflow.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)

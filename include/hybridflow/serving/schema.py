@@ -27,7 +27,7 @@ class InputSchema:
     """The signature's input columns, and the check of request instances against them."""
 
     def __init__(self, signature: Mapping[str, Any]) -> None:
-        from hybridflow.registry import Signature
+        from hybridflow.config.registry import Signature
 
         sig = Signature.model_validate(signature)
         self.columns = [(name, col.type, col.min, col.max) for name, col in sig.input_columns]

@@ -5,8 +5,9 @@ otherwise). It runs in the model server's own environment (``hybridflow.serving.
         [--host H] [--ready-file F] [--max-batch-size N] [--max-batch-wait-ms MS] [--max-instances N]
         [--max-body-mib MIB] [--request-timeout-s S]
 
-- ``GET /healthz`` -> ``{"status": "ok", "endpoint", "version", "variant", "model", "pid"}``
-- ``GET /v1/models/<endpoint>`` -> ``{"name", "ready": true, "version", "inputs": [names], "output": {...}}``
+- ``GET /healthz`` -> ``{"status": "ok", "ready": true, "endpoint", "version", "variant", "model", "pid"}``;
+  503 with ``"status": "not ready"`` while the model is not ready (KServe's ``Model.ready``)
+- ``GET /v1/models/<endpoint>`` -> ``{"name", "ready", "version", "inputs": [names], "output": {...}}``
 - ``POST /v1/models/<endpoint>:predict`` ``{"instances": [row, ...]}``, each row either a list of
   values in the signature's input order or an object ``{column: value}`` with exactly the input
   columns -> ``{"predictions": [...], "model": endpoint, "version": V}``. Every value is checked
@@ -15,6 +16,11 @@ otherwise). It runs in the model server's own environment (``hybridflow.serving.
 - KServe's own routes: ``GET /`` (liveness), ``GET /metrics`` (Prometheus, with the batch sizes),
   ``GET /v2/health/live``, ``/v2/health/ready``, ``/v2/models/<endpoint>[/ready]`` and
   ``POST /v2/models/<endpoint>/infer`` (the open inference protocol; one FP32 input of ``[n, width]``).
+  KServe's model repository extension (``/v2/repository/...``: load and unload, unauthenticated) is not
+  served.
+
+Every bad request gets a 4xx saying what to fix; a 500 says only that the server failed (its log has the
+cause, the exception's text never goes to the client).
 
 Every answer carries ``X-Model-Version``. Requests are bounded: a body over ``--max-body-mib`` gets 413
 unread, more than ``--max-instances`` rows 400, and a request not done within ``--request-timeout-s``
@@ -32,6 +38,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import os
 import socket
 import sys
@@ -48,6 +55,13 @@ from hybridflow.serving.schema import MAX_INSTANCES, BadRequest, InputSchema
 HOST = "127.0.0.1"
 MODELS_PREFIX = "/v1/models/"
 GRACE_S = 3  # how long a stopping server lets requests in flight finish
+# What a client reads of an error on the server's side: the cause (an exception's text names internals)
+# goes to the server's log.
+INTERNAL_ERROR = "the model server failed to answer; its log has the cause"
+# KServe's model repository extension (load and unload any model, unauthenticated) is not served.
+REPOSITORY_PREFIX = "/v2/repository"
+
+log = logging.getLogger("hybridflow.serving.server")
 
 
 def routes(endpoint: str) -> str:
@@ -74,10 +88,7 @@ def _model_class() -> type:
         async def predict(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
             output = self.predictor.card.output
             if isinstance(payload, InferRequest):  # open inference protocol: one [n, width] tensor
-                if len(payload.inputs) != 1:
-                    raise BadRequest(f"send one input tensor of shape [n, {self.schema.width}]")
-                rows = payload.inputs[0].as_numpy().reshape(-1, self.schema.width).tolist()
-                x = self.schema.parse({"instances": rows}, self.max_instances)
+                x = self.schema.parse({"instances": self._tensor_rows(payload)}, self.max_instances)
                 y = np.asarray(self.to_json(await self.batcher.predict(x), output))
                 out = InferOutput(name=output.get("name", "output"), shape=list(y.shape),
                                   datatype="INT64" if y.dtype.kind == "i" else "FP64", data=y.tolist())
@@ -86,6 +97,22 @@ def _model_class() -> type:
             x = self.schema.parse(payload, self.max_instances)
             predictions = self.to_json(await self.batcher.predict(x), output)
             return {"predictions": predictions, "model": self.name, "version": self.version}
+
+        def _tensor_rows(self, payload: Any) -> list:
+            """The one input tensor's rows; BadRequest for any tensor that is not numbers of [n, width]."""
+            width = self.schema.width
+            wanted = f"send one input tensor of shape [n, {width}] holding n x {width} numbers"
+            if len(payload.inputs) != 1:
+                raise BadRequest(wanted)
+            tensor = payload.inputs[0]
+            try:
+                values = tensor.as_numpy()
+            except (ValueError, TypeError) as exc:  # data that does not fill its shape, or not of its datatype
+                raise BadRequest(f"input {tensor.name!r} does not hold {tensor.shape} {tensor.datatype} values; "
+                                 f"{wanted}") from exc
+            if values.dtype.kind not in "biuf" or values.ndim != 2 or values.shape[1] != width:
+                raise BadRequest(f"input {tensor.name!r} is {tensor.datatype} of shape {list(values.shape)}; {wanted}")
+            return values.tolist()
 
     return BundleModel
 
@@ -109,17 +136,26 @@ async def predictions(model: Any, body: bytes, headers: Sequence[tuple[bytes, by
     pre- and post-processing and latency histograms); never raises."""
     tag = {"model": model.name, "version": model.version}
     try:
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"body is not valid JSON: {exc}") from exc
-        answer, _ = await model(payload, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+        answer, _ = await model(_json_body(body), {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
     except BadRequest as exc:
         return 400, {"error": str(exc), **tag}
-    except Exception as exc:  # keep serving; the client sees why
-        print(f"prediction failed: {exc!r}", file=sys.stderr, flush=True)
-        return 500, {"error": f"prediction failed: {exc}", **tag}
+    except Exception:  # keep serving; the cause goes to the server's log, not to the client
+        log.exception("prediction failed for %s version %s", model.name, model.version)
+        return 500, {"error": INTERNAL_ERROR, **tag}
     return 200, answer
+
+
+def _json_body(body: bytes) -> Any:
+    """The request body as JSON; BadRequest saying what to fix for anything else."""
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"body is not UTF-8 text (byte {exc.start}); send JSON") from exc
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # Python's cap on digits in an int (sys.get_int_max_str_digits())
+        raise BadRequest(f"body holds an integer of over {sys.get_int_max_str_digits()} digits; "
+                         "send each value as an ordinary JSON number") from exc
 
 
 def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
@@ -129,22 +165,25 @@ def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
     from starlette.responses import JSONResponse
 
     card = model.predictor.card
-    health = {"status": "ok", "endpoint": endpoint, "version": version, "variant": card.variant,
-              "model": card.model, "pid": os.getpid()}
-    metadata = {"name": endpoint, "ready": True, "version": version, "inputs": model.schema.names,
-                "output": card.output}
+    health = {"endpoint": endpoint, "version": version, "variant": card.variant, "model": card.model,
+              "pid": os.getpid()}
+    metadata = {"name": endpoint, "version": version, "inputs": model.schema.names, "output": card.output}
 
     def no_route(request: Request) -> JSONResponse:
         return JSONResponse({"error": f"no route {request.method} {request.url.path}; use {routes(endpoint)}"}, 404)
 
     async def healthz(_request: Request) -> JSONResponse:
-        return JSONResponse(health)
+        # Read per request: a model that stops being ready (KServe's Model.ready) takes the version out of
+        # rotation wherever health is checked.
+        if model.ready:
+            return JSONResponse({"status": "ok", "ready": True, **health})
+        return JSONResponse({"status": "not ready", "ready": False, **health}, 503)
 
     async def model_info(request: Request) -> JSONResponse:
         name = request.path_params["name"]
         if name == f"{endpoint}:predict":
             return JSONResponse({"error": f"use POST {MODELS_PREFIX}{endpoint}:predict"}, 405, {"Allow": "POST"})
-        return JSONResponse(metadata) if name == endpoint else no_route(request)
+        return JSONResponse({**metadata, "ready": model.ready}) if name == endpoint else no_route(request)
 
     async def predict(request: Request) -> JSONResponse:
         if request.path_params["name"] != endpoint:
@@ -164,14 +203,39 @@ def _add_routes(app: Any, model: Any, endpoint: str, version: str) -> None:
     app.add_exception_handler(HTTPException, http_error)
 
 
-def _invalid_input(app: Any) -> None:
-    """BadRequest on KServe's own routes (v2 infer) is a 400 like KServe's InvalidInput."""
+def _errors(app: Any) -> None:
+    """BadRequest on KServe's own routes (v2 infer) is a 400 like KServe's InvalidInput; any other error
+    is a 500 whose body names no internals (KServe's own handlers answer with the exception's text)."""
+    from kserve.errors import InferenceError
     from starlette.responses import JSONResponse
 
     async def bad_request(_request: Any, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, 400)
 
+    async def internal(request: Any, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"error": INTERNAL_ERROR}, 500)
+
     app.add_exception_handler(BadRequest, bad_request)
+    app.add_exception_handler(InferenceError, internal)
+    app.add_exception_handler(Exception, internal)
+
+
+def _without_repository(app: Any, endpoint: str) -> Callable:
+    """``app`` with KServe's model repository extension (POST /v2/repository/models/<m>/load and /unload)
+    answered 404: KServe registers it unconditionally and without authentication, so anyone who
+    reaches the port could unload the model. Nothing here uses it."""
+    from starlette.responses import JSONResponse
+
+    refused = JSONResponse({"error": f"the model repository extension is not served; use {routes(endpoint)}"}, 404)
+
+    async def asgi(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(REPOSITORY_PREFIX):
+            await refused(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return asgi
 
 
 def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: int = 32,
@@ -192,8 +256,7 @@ def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: in
     model_server.register_model(model)
     app = kserve_server.app
     _add_routes(app, model, endpoint, version)
-    rest = RESTServer("kserve.model_server:app", model_server.dataplane, model_server.model_repository_extension,
-                      0)
+    rest = RESTServer("kserve.model_server:app", model_server.dataplane, None, 0)  # no repository extension
     rest.create_application()
     # KServe's TimingMiddleware reads the process's CPU time twice per request to log it at INFO on
     # kserve.trace: 7 % of the event loop at 64 concurrent clients, for lines nobody keeps. Latency is
@@ -201,48 +264,11 @@ def build_app(predictor: Any, endpoint: str, version: str, *, max_batch_size: in
     from timing_asgi import TimingMiddleware
 
     app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
-    _invalid_input(app)
-    bounded = Bounds(app, version=version, max_body_bytes=int(max_body_mib * 2**20), timeout_s=request_timeout_s,
+    _errors(app)
+    bounded = Bounds(_without_repository(app, endpoint), version=version, max_body_bytes=int(max_body_mib * 2**20),
+                     timeout_s=request_timeout_s,
                      direct={f"{MODELS_PREFIX}{endpoint}:predict": lambda body, headers: predictions(model, body, headers)})
     return bounded, batcher
-
-
-def _header_deadline(timeout_s: float) -> type:
-    """uvicorn's HTTP/1.1 protocol closing a connection whose request line and headers are not complete
-    within ``timeout_s`` of its start or of its last answer (a client trickling its headers)."""
-    try:  # the C parser where it is installed (uvicorn[standard], as KServe's requirements have it)
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
-
-    class Protocol(Base):
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if getattr(self, "_deadline", None) is not None:
-                self._deadline.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            # One deadline per connection: a timer left behind per answered request would pile up
-            # (50k pending at 5,000 requests/s) and lengthen every garbage collection.
-            previous = getattr(self, "_deadline", None)
-            if previous is not None:
-                previous.cancel()
-            self._deadline = self.loop.call_later(timeout_s, self._expire, self.cycle)
-
-        def _expire(self, armed_cycle: Any) -> None:
-            # No request has started since the deadline was set: its headers are still not in.
-            if self.cycle is armed_cycle and not self.transport.is_closing():
-                self.transport.close()
-
-    return Protocol
 
 
 def _write_ready(path: Path, body: dict[str, Any]) -> None:
@@ -254,8 +280,10 @@ def _write_ready(path: Path, body: dict[str, Any]) -> None:
 async def _serve(app: Any, sock: socket.socket, timeout_s: float, on_ready: Callable[[], None]) -> None:
     import uvicorn
 
+    from hybridflow.serving.listen import protocol
+
     config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=GRACE_S,
-                            http=_header_deadline(timeout_s), lifespan="off", timeout_keep_alive=5)
+                            http=protocol(timeout_s), lifespan="off", timeout_keep_alive=5)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
@@ -380,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from hybridflow.bundle import Predictor
-    from hybridflow.registry import EntrypointError
+    from hybridflow.config.registry import EntrypointError
 
     torch.set_num_threads(1)  # many small requests on few cores: intra-op threads only add contention
     try:

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hybridflow.backends.base import MISSING
 from hybridflow.runs import write_json_atomic
 
 ATTEMPTS_FILE = "train-attempts.json"
@@ -34,7 +35,7 @@ def end_attempt(job: Any, attempt: dict, outcome: str, log: Any) -> list[dict]:
     """Note how ``attempt`` ended and what it achieved, and bill it; every attempt of the run."""
     progress = attempt_progress(job.places(), attempt["attempt"], log)
     if outcome != "not_admitted":
-        restarts = gang_preemptions(job.cluster, attempt.get("gang"), log)
+        restarts = gang_preemptions(job.backend, attempt.get("gang"), log)
         if restarts is not None:
             progress["preemptions"] = restarts
     attempts = finish_attempt(job.attempts_path, attempt, outcome, progress)
@@ -52,7 +53,8 @@ def attempt_progress(places: list, label: str, log) -> dict:
     out: dict = {"start_step": None, "last_step": None, "last_committed_step": None}
     try:
         status = json.loads(places[0].get_bytes(attempt_status_key(label)))
-        out.update({k: status.get(k) for k in ("start_step", "last_step", "sigterm_to_commit_s") if k in status})
+        out.update({k: status.get(k) for k in ("start_step", "last_step", "sigterm_to_commit_s", "device", "backend",
+                                               "device_name") if k in status})
     except FileNotFoundError:
         pass
     except Exception as exc:
@@ -67,16 +69,14 @@ def attempt_progress(places: list, label: str, log) -> dict:
     return out
 
 
-def gang_preemptions(cluster: Any, gang: str | None, log: Any, timeout_s: float = 5.0) -> int | None:
-    """How often the scheduler of a Kubernetes cluster restarted gang job ``gang`` after a preemption
-    or eviction; None for another backend, or when the job cannot be read (e.g. already deleted)."""
-    if getattr(cluster, "backend", None) != "kubernetes" or not gang:
+def gang_preemptions(backend: Any, gang: str | None, log: Any) -> int | None:
+    """How often the cluster's scheduler restarted gang ``gang`` after a preemption or eviction; None
+    where the train task relaunches gangs itself (it counts those), or when the gang cannot be read
+    (e.g. already deleted)."""
+    if backend is None or backend.supervised_by_task or not gang:
         return None
-    from hybridflow.backends.k8s.backend import MISSING, make_hook, read_status
-
     try:
-        status = read_status(make_hook(cluster.conn_id), cluster.scheduler, cluster.k8s_namespace, gang,
-                             timeout=timeout_s)
+        status = backend.status(gang)
     except Exception as exc:  # noqa: BLE001 - the attempt's own outcome is noted regardless
         log.warning("could not read how often gang %s was preempted: %s", gang, exc)
         return None

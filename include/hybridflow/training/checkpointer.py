@@ -38,7 +38,9 @@ class StateSnapshot:
     """Consistent copies of nested state (dicts, lists, tensors) in buffers reused across calls.
 
     Non-tensor leaves are deep-copied (they are small: step counters, learning rates, param ids).
-    A buffer is reallocated only when a tensor's shape, dtype or device changes.
+    Buffers are in host memory, also for GPU tensors: a snapshot takes no GPU memory from training,
+    and the checkpoint loads on any machine. A buffer is reallocated only when a tensor's shape or
+    dtype changes.
     """
 
     def __init__(self) -> None:
@@ -56,8 +58,8 @@ class StateSnapshot:
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
             buf = self._buffers.get(path)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != src.device:
-                buf = torch.empty_like(src, memory_format=torch.contiguous_format)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty_like(src, memory_format=torch.contiguous_format, device="cpu")
                 self._buffers[path] = buf
             buf.copy_(src)
             return buf
@@ -81,7 +83,8 @@ def torch_serialise(tree: Any) -> bytes:
 
 
 def torch_deserialise(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+    # A checkpoint written on a GPU rank resumes anywhere; load_state_dict copies to the model's device.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 # Nice value of the upload thread: when cores are short, the training thread gets them first and the

@@ -4,21 +4,24 @@
 
     def train(ctx):
         frame = ctx.dataset.split("train").frame()          # every file checked against its SHA-256
-        model, optimizer = ...
-        restored = ctx.checkpoint.restore()                  # newest good full state, or None
-        start = restored.step if restored else 0
-        ddp = DistributedDataParallel(model)                 # the process group is already set up
+        model = ctx.wrap(build(ctx.hparams))                # on ctx.device, DDP or FSDP (the sharding Param)
+        optimizer = ctx.optimizer(model, lr=...)            # the optimizer Param's (ZeRO-1 shards it)
+        start = ctx.restore(model, optimizer)               # newest good checkpoint's step, or 0
         sampler = ctx.sampler(len(frame), ctx.hparams["batch_size"])
         for step in range(start + 1, ctx.hparams["steps"] + 1):
-            ...                                              # one optimizer step on sampler.indices(step)
+            with ctx.autocast():                            # the precision Param
+                loss = ...                                  # one step on sampler.indices(step), on ctx.device
+            ctx.backward(loss); ctx.step(optimizer)         # GradScaler for fp16
             ctx.log(step, loss=loss.item())                  # task log and run record
             if ctx.should_stop():                            # preempted (spot reclaim, eviction): leave
                 break
             if ctx.checkpoint.due(step):
-                ctx.checkpoint.save(step, lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        ctx.checkpoint.save(step, ...)                       # the resume point, or a finished run's last
-        ctx.save_model(model)                                # rank 0's weights become the trained model
+                ctx.save_checkpoint(step, model, optimizer)  # whole from rank 0, or every rank's part
+        ctx.save_checkpoint(step, model, optimizer)          # the resume point, or a finished run's last
+        ctx.save_model(model)                                # the whole weights become the trained model
 
+The helpers (:mod:`hybridflow.training.parallel`) apply the run's precision, optimizer and sharding;
+code that does its own wrapping uses ``ctx.checkpoint`` directly.
 ``ctx.checkpoint.save`` takes the whole state from rank 0 (each top-level key is one shard);
 ``save_sharded`` / ``restore_sharded`` save and load every rank's part with
 ``torch.distributed.checkpoint``. Either way a checkpoint is written in the background to the run's
@@ -33,14 +36,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.gpumem import TrainSetting
 from hybridflow.training.checkpoint import CheckpointStore, latest_of
+from hybridflow.training.loop import Preemption, StepSampler  # noqa: F401 - part of the contract's surface
 
 log = logging.getLogger("hybridflow.training")
 
@@ -56,51 +60,6 @@ MAX_SERIES_POINTS = 200
 def attempt_status_key(attempt: str) -> str:
     """Where a gang reports one attempt (start step, last step, outcome) in the primary place."""
     return f"attempts/{attempt}.json"
-
-
-class Preemption:
-    """Remembers SIGTERM; the training function decides when to stop, so a step is never torn."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.at = 0.0  # time.monotonic() of the first SIGTERM
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.requested:
-            self.at = time.monotonic()
-            log.warning("SIGTERM received: finishing the current step, then checkpointing")
-        self.requested = True
-
-
-class StepSampler:
-    """Deterministic sharding by step: epoch e is a permutation seeded by (seed, e); step s takes the
-    next global batch from it and rank r every world_size-th row of that batch. A run resumed at step
-    k sees exactly the rows an uninterrupted run would have."""
-
-    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
-        import torch
-
-        self._torch = torch
-        self.global_batch = batch_size * world_size
-        if n < self.global_batch:
-            raise ValueError(f"{n} training rows cannot fill one global batch of {self.global_batch} "
-                             f"({batch_size} per rank x {world_size} ranks); lower batch_size")
-        self.n, self.rank, self.world_size, self.seed = n, rank, world_size, seed
-        self.steps_per_epoch = n // self.global_batch
-        self._epoch: int | None = None
-        self._perm = None
-
-    def indices(self, step: int):
-        epoch, i = divmod(step - 1, self.steps_per_epoch)
-        if epoch != self._epoch:
-            gen = self._torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = self._torch.randperm(self.n, generator=gen)
-            self._epoch = epoch
-        batch = self._perm[i * self.global_batch : (i + 1) * self.global_batch]
-        return batch[self.rank :: self.world_size]
 
 
 @dataclass(frozen=True)
@@ -144,6 +103,11 @@ class CheckpointHandle:
         self.declined = 0  # steps a due checkpoint waited for the previous one to commit
         self._last_save = time.monotonic()
         self.timer_due_shared = False  # rank 0's timer, as should_stop() shared it with every rank
+        # Whether rank 0 was still writing a full-state checkpoint, as should_stop() shared it; with
+        # a collective full save (ZeRO-1 gathers the optimizer state on rank 0) every rank must answer
+        # due() alike, so they all go by it instead of rank 0's own writer.
+        self.busy_shared = False
+        self.collective_full = False
 
     # -- restoring -------------------------------------------------------------------------------
     def _choose(self) -> tuple[int, int, str]:
@@ -186,7 +150,8 @@ class CheckpointHandle:
         if not step:
             return None
         if kind == "sharded":
-            raise RuntimeError(f"checkpoint step {step} was saved with save_sharded; restore it with "
+            raise RuntimeError(f"checkpoint step {step} was saved sharded (sharding zero2/zero3, or save_sharded): "
+                               "resume with the sharding it was saved with, or restore it with "
                                "ctx.checkpoint.restore_sharded(state)")
         ckpt = self._found[0] if self.rank == 0 else self.places[index].load(step)
         state = {Path(name).stem: torch_deserialise(data) for name, data in ckpt.shards.items()}
@@ -202,7 +167,8 @@ class CheckpointHandle:
         if not step:
             return None
         if kind != "sharded":
-            raise RuntimeError(f"checkpoint step {step} holds the whole state from rank 0; restore it with "
+            raise RuntimeError(f"checkpoint step {step} holds the whole state from rank 0 (sharding none/zero1, "
+                               "or save): resume with the sharding it was saved with, or restore it with "
                                "ctx.checkpoint.restore()")
         found = self._found[0] if self.rank == 0 and self._found else None  # read and verified already
         load_sharded(self.places[index], step, state, self._workdir / "restore", checkpoint=found)
@@ -214,12 +180,18 @@ class CheckpointHandle:
         every = self.policy.every_seconds
         if every is None:
             return False
-        if self.mode != "full" and self.world_size > 1:
-            # A sharded save is collective, so every rank must agree: only rank 0's timer as
-            # should_stop() shared it counts. That holds before the first save too, while the kind
-            # of checkpoint is not known yet (ranks' own clocks cross the interval at different steps).
+        if (self.mode != "full" or self.collective_full) and self.world_size > 1:
+            # A sharded save (and ZeRO-1's, which gathers on rank 0) is collective, so every rank
+            # must agree: only rank 0's timer as should_stop() shared it counts. That holds before
+            # the first save too, while the kind of checkpoint is not known yet (ranks' own clocks
+            # cross the interval at different steps).
             return self.timer_due_shared
         return time.monotonic() - self._last_save >= every
+
+    @property
+    def writing(self) -> bool:
+        """Rank 0's full-state writer is still busy with the previous checkpoint."""
+        return self._full is not None and self._full.busy
 
     def local_timer_due(self) -> bool:
         every = self.policy.every_seconds
@@ -232,7 +204,8 @@ class CheckpointHandle:
         storage) and asks again at the next step."""
         if not (self._owed or step % self.policy.every_steps == 0 or self._timer_due()):
             return False
-        if self.mode != "sharded" and self._full is not None and self._full.busy:
+        busy = self.busy_shared if self.collective_full else self._full is not None and self._full.busy
+        if self.mode != "sharded" and busy:
             self._owed = True
             self.declined += 1
             return False
@@ -339,16 +312,25 @@ def _give_up_in_grace(step: int | None, grace_s: float) -> None:
 
 class TrainingContext:
     """What ``train(ctx)`` gets. Attributes: ``rank``, ``world_size``, ``device``, ``run_key``, ``model``
-    (its registered name), ``hparams`` (the run's hyper-parameters), ``dataset``, ``checkpoint``."""
+    (its registered name), ``hparams`` (the run's hyper-parameters), ``dataset``, ``checkpoint``.
+
+    ``device`` is where the training function puts its model and batches: ``"cuda:<local rank>"`` when
+    the rank has a GPU (the gang then talks NCCL), else ``"cpu"`` (gloo); see
+    :mod:`hybridflow.training.device`."""
 
     def __init__(self, *, rank: int, world_size: int, run_key: str, model: str, hparams: Mapping[str, Any],
                  dataset, checkpoint: CheckpointHandle, preemption: Preemption, store,
-                 log_every_steps: int = 50, inject_failure: Mapping[str, int] | None = None) -> None:
+                 log_every_steps: int = 50, inject_failure: Mapping[str, int] | None = None,
+                 device: str = "cpu", setting: TrainSetting | None = None) -> None:
+        from hybridflow.training.parallel import Parallel
+
         self.rank, self.world_size, self.run_key, self.model = rank, world_size, run_key, model
+        self.setting = setting or TrainSetting()
+        self.parallel = Parallel(self.setting, device, rank, world_size)
         self.hparams: dict[str, Any] = dict(hparams)
         self.dataset = dataset
         self.checkpoint = checkpoint
-        self.device = "cpu"
+        self.device = device
         self._preemption = preemption
         self._store = store
         self._log_every = max(1, int(log_every_steps))
@@ -363,6 +345,56 @@ class TrainingContext:
         # data loading, restore or the last checkpoint (rank 0).
         self.loop: tuple[int, float, int, float] | None = None
 
+    # -- the run's precision, optimizer and sharding (hybridflow.training.parallel) --------------
+    def wrap(self, module):
+        """``module`` on ``ctx.device``, wrapped for the run's ``sharding`` (DDP or FSDP2)."""
+        return self.parallel.wrap(module)
+
+    def optimizer(self, module, *, lr: float, momentum: float = 0.9, weight_decay: float = 0.0):
+        """The run's ``optimizer`` over ``module`` (sharded for ``zero1``)."""
+        if self.setting.sharding == "zero1":
+            self.checkpoint.collective_full = True
+        return self.parallel.optimizer(module, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    def autocast(self):
+        """The forward pass in the run's ``precision`` (``with ctx.autocast(): loss = ...``)."""
+        return self.parallel.autocast()
+
+    def backward(self, loss) -> None:
+        """``loss.backward()``, scaled for fp16."""
+        self.parallel.backward(loss)
+
+    def step(self, optimizer) -> None:
+        """The optimizer step (unscaled for fp16, skipped on overflow), then gradients cleared."""
+        self.parallel.step(optimizer)
+
+    def restore(self, module, optimizer) -> int:
+        """Load the newest committed checkpoint into ``module`` and ``optimizer`` (the wrapped ones),
+        whole or sharded as the run's ``sharding`` saves them; its step, 0 when there is none.
+        Collective: call it on every rank."""
+        if self.parallel.sharded_checkpoints:
+            state = self.parallel.state(module, optimizer)  # the shapes every rank's part loads into
+            step = self.checkpoint.restore_sharded(state)
+            if step is not None:
+                self.parallel.load(module, optimizer, state)
+            return step or 0
+        restored = self.checkpoint.restore()
+        if restored is None:
+            return 0
+        self.parallel.load(module, optimizer, restored.state)
+        return restored.step
+
+    def save_checkpoint(self, step: int, module, optimizer) -> None:
+        """Checkpoint ``module`` and ``optimizer`` at ``step`` (collective: every rank, the same step)."""
+        if self.checkpoint.saved_step == step:
+            return  # already saved (every rank agrees: they saved the same steps)
+        if self.parallel.sharded_checkpoints:
+            self.checkpoint.save_sharded(step, self.parallel.state(module, optimizer))
+        elif self.setting.sharding == "zero1":
+            self.checkpoint.save(step, self.parallel.state(module, optimizer))  # gathered on rank 0
+        else:
+            self.checkpoint.save(step, lambda: self.parallel.state(module, optimizer))
+
     @property
     def preempted(self) -> bool:
         """This rank received SIGTERM (spot reclaim, eviction, cancel). Prefer :meth:`should_stop`,
@@ -375,10 +407,13 @@ class TrainingContext:
         import torch
         import torch.distributed as dist
 
+        # NCCL reduces only tensors on the rank's GPU; gloo those on CPU.
         flags = torch.tensor([1.0 if self._preemption.requested else 0.0,
-                              1.0 if self.rank == 0 and self.checkpoint.local_timer_due() else 0.0])
+                              1.0 if self.rank == 0 and self.checkpoint.local_timer_due() else 0.0,
+                              1.0 if self.rank == 0 and self.checkpoint.writing else 0.0], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         self.checkpoint.timer_due_shared = bool(flags[1].item() > 0)
+        self.checkpoint.busy_shared = bool(flags[2].item() > 0)
         self.stopping = bool(flags[0].item() > 0)
         return self.stopping
 
@@ -413,8 +448,9 @@ class TrainingContext:
             self._window = (now, 0)
 
     def save_model(self, module) -> None:
-        """The trained weights (rank 0's ``module.state_dict()``): evaluation, compression and serving
-        rebuild the module with the registered builder and load them. Ignored after a preemption."""
+        """The trained weights (``module``'s whole state dict, gathered on rank 0 when sharded):
+        evaluation, compression and serving rebuild the module with the registered builder and load
+        them. Call it on every rank. Ignored after a preemption."""
         import io
 
         import torch
@@ -423,14 +459,11 @@ class TrainingContext:
             log.info("preempted: the model is saved when training completes, not now")
             return
         self.model_saved = True
+        weights = self.parallel.model_state(module)  # collective for FSDP; None except on rank 0
         if self.rank != 0:
             return
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(module, DistributedDataParallel):
-            module = module.module  # the builder's module, whose keys the weights must match
         buf = io.BytesIO()
-        torch.save(module.state_dict(), buf)
+        torch.save(_on_host(weights), buf)
         self._store.put_bytes(FINAL_MODEL_KEY, buf.getvalue())
 
     def metrics_summary(self) -> dict:
@@ -443,6 +476,19 @@ class TrainingContext:
                 series.append(points[-1])
             out[name] = {"last": points[-1][1], "last_step": points[-1][0], "series": series}
         return out
+
+
+def _on_host(state):
+    """``state`` with its GPU tensors copied to host memory: evaluation, compression and serving load
+    the weights where there may be no GPU. Unchanged (same object) when all of it is on the CPU."""
+    import torch
+
+    if not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in state.values()):
+        return state
+    out = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+    if hasattr(state, "_metadata"):
+        out._metadata = state._metadata  # module versions that load_state_dict reads
+    return out
 
 
 def report_attempt(store, attempt: str, status: dict) -> None:

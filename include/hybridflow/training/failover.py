@@ -25,16 +25,17 @@ def fail_over(
     data there, and record both in placement.json (the run's page shows the move and a retried train
     task resumes there). Returns (placement, staged), or None when no eligible cluster has room now:
     the gang keeps its place in ``cluster``'s queue."""
-    from hybridflow.admission import AdmittedRun
     from hybridflow.config import load_estate
     from hybridflow.errors import PlacementError
-    from hybridflow.placement.loads import place_elsewhere
+    from hybridflow.placement.decide import decide
     from hybridflow.placement.stage import stage_data
+    from hybridflow.request import AdmittedRun
 
     settings = settings or get_settings()
     estate = load_estate(settings.config_dir)
+    leaving = {f["cluster"]: f["reason"] for f in placement.get("failovers", [])} | {cluster: reason}
     try:
-        decision = place_elsewhere(AdmittedRun.from_xcom(dict(run)), placement, cluster, reason, estate, settings)
+        decision = decide(AdmittedRun.from_xcom(dict(run)), estate, settings, leaving=leaving)
     except PlacementError as exc:
         log.info("No other eligible cluster would admit the gang now; it keeps its place on %s:\n%s", cluster, exc)
         return None

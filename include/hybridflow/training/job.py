@@ -33,6 +33,7 @@ class TrainJob:
     log: Any
     task_reads_local: bool = True  # the backend's gangs write local places the task can read too
     owner: dict = field(default_factory=dict)  # the train task it is for: GangJob.owner of its gangs
+    backend: Any = None  # the cluster's gang backend (backends.gang_backend)
 
     def places(self) -> list:
         """The checkpoint places this task can read: a Kubernetes cluster's scratch volume is only
@@ -60,9 +61,9 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
     """What every gang of ``run`` on ``placement``'s cluster is given, whatever its backend
     (``task_id``: the train task's, so its gangs carry their owner)."""
     from hybridflow import rundata
-    from hybridflow.admission import AdmittedRun
     from hybridflow.backends import gang_backend
     from hybridflow.placement.places import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
+    from hybridflow.request import AdmittedRun
 
     admitted = AdmittedRun.from_xcom(dict(run))
     req = admitted.request
@@ -77,6 +78,8 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
     spec = {
         "run_key": run_key,
         "model": {"name": model.name, "entrypoint": model.entrypoint, "hyperparameters": admitted.hyperparameters},
+        # precision, optimizer, sharding: the setting admission's GPU memory check estimated with
+        "training": req.train_setting.to_dict(),
         "dataset": rundata.dataset_info(entry, version, admitted.classification),
         "source": staged["source"],
         "checkpoint_store": ckpt_spec.to_dict(),
@@ -97,6 +100,7 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
             raise ValueError(f"cluster {cluster.name} reads its cache and dataset {entry.name}'s private bucket "
                              "with different credentials; stage the data into the cache instead")
         env = {**env, **data_env}
+    backend = gang_backend(cluster, estate, settings.state_dir)
     return TrainJob(
         identity=identity, admitted=admitted, placement=placement, cluster=cluster,
         run_key=run_key, ckpt_spec=ckpt_spec, replica_spec=replica_spec, spec=spec, model=model,
@@ -105,8 +109,9 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
         labels={"project": req.project, "team": admitted.team, "priority": req.priority,
                 "interruptible": str(req.interruptible).lower()},
         log=log,
-        task_reads_local=gang_backend(cluster, estate, settings.state_dir).reads_private_storage,
+        task_reads_local=backend.reads_private_storage,
         owner=gang_owner(identity, task_id),
+        backend=backend,
     )
 
 
@@ -147,6 +152,9 @@ def bring_home(job: TrainJob, gang: str | None, attempts: list[dict], preemption
         "final_loss": summary.get("final_loss"),
         "metrics": {k: v.get("last") for k, v in (summary.get("metrics") or {}).items()},
         "checkpoint_kind": summary.get("checkpoint_kind"),
+        "device": summary.get("device"),  # where rank 0 trained and how the gang talked
+        "backend": summary.get("backend"),
+        "device_name": summary.get("device_name"),
         "preemptions": preemptions,
         "seconds": round(time.time() - started, 3),
         "gpu_seconds": round(gpu_seconds, 3),

@@ -1,8 +1,10 @@
 """One rank of a training gang: ``python -m hybridflow.training.worker --spec job.json``.
 
 The launcher (a gang backend) starts ``WORLD_SIZE`` of these with ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT`` set; credentials for the stores arrive in the environment (see
-:meth:`StoreSpec.from_dict`), never in the spec. Each rank imports the registered model's training
+``MASTER_ADDR`` and ``MASTER_PORT`` set (the rest of ``torchrun``'s variables are filled in and
+exported: :mod:`hybridflow.training.ranks`); each rank picks its device and the gang's backend
+(``cuda:<LOCAL_RANK>`` and NCCL, or CPU and gloo: :mod:`hybridflow.training.device`); credentials
+for the stores arrive in the environment (see :meth:`StoreSpec.from_dict`), never in the spec. Each rank imports the registered model's training
 function, joins the process group and calls it with a :class:`~hybridflow.training.context.TrainingContext`.
 
 job.json::
@@ -10,6 +12,7 @@ job.json::
     {
       "run_key": "...",                                  # names the run in logs
       "model": {"name": "...", "entrypoint": "pkg.mod:train", "hyperparameters": {...}},
+      "training": {"precision": "bf16", "optimizer": "adamw", "sharding": "zero3"},  # optional: the Params
       "dataset": {"name", "format", "splits": {split: [files]}, "columns": [...], "classification"},
       "data": {...},                                     # where to read it (hybridflow.training.data); alias "source"
       "checkpoint_store": {StoreSpec},                   # primary place: checkpoints, model/final.pt, result.json
@@ -25,7 +28,8 @@ job.json::
 Exit codes: 0 done, 75 (:data:`PREEMPTED_EXIT_CODE`) after a stop on SIGTERM with the last checkpoint
 committed (rerun to resume), 1 anything else, the training function's traceback in the log.
 
-Environment: ``HYBRIDFLOW_WORKER_THREADS`` (intra-op threads, default 1), ``HYBRIDFLOW_DEBUG_LOGGERS``
+Environment: ``HYBRIDFLOW_DEVICE`` (cuda, cpu or auto; see :mod:`hybridflow.training.device`),
+``HYBRIDFLOW_WORKER_THREADS`` (intra-op threads, default 1), ``HYBRIDFLOW_DEBUG_LOGGERS``
 (comma-separated logger names logged at DEBUG, e.g. ``hybridflow.training.checkpoint``).
 """
 
@@ -51,6 +55,8 @@ from hybridflow.training.context import (
     attempt_status_key,
     report_attempt,
 )
+from hybridflow.training.device import DEVICE_ENV, DeviceChoice, choose_device
+from hybridflow.training.ranks import read_rank_env
 
 __all__ = ["FINAL_MODEL_KEY", "PREEMPTED_EXIT_CODE", "RESULT_KEY", "JobSpec", "attempt_status_key", "main"]
 
@@ -73,6 +79,14 @@ class JobSpec:
     log_every_steps: int = 50
     # Fault drill: {"rank": r, "step": s} makes rank r fail when it logs step s (gang failure handling).
     inject_failure: dict | None = None
+    # precision, optimizer, sharding (gpumem.TrainSetting); absent: the Params' defaults
+    training: dict | None = None
+
+    @property
+    def setting(self):
+        from hybridflow.gpumem import TrainSetting
+
+        return TrainSetting.from_dict(self.training)
 
     @classmethod
     def from_dict(cls, body: dict) -> JobSpec:
@@ -100,11 +114,16 @@ class JobSpec:
             raise ValueError(f"attempt {spec.attempt!r} must be a non-empty name without '/'")
         if not {"name", "entrypoint"} <= set(spec.model):
             raise ValueError("job spec model needs name and entrypoint")
+        from hybridflow.gpumem import TrainSetting
+
+        TrainSetting.from_dict(spec.training)  # an unknown precision, optimizer or sharding fails here
         return spec
 
 
-def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preemption) -> int:
-    """Join the gang, call the training function, finish its checkpoints; the exit code."""
+def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preemption,
+        device: DeviceChoice | None = None) -> int:
+    """Join the gang on ``device`` (default: CPU and gloo), call the training function, finish its
+    checkpoints; the exit code."""
     from datetime import timedelta
 
     import torch
@@ -120,9 +139,12 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
 
     # Collectives must outlast rank 0's last checkpoint, which the other ranks wait for.
     timeout = timedelta(seconds=max(60.0, spec.preemption_grace_s + 30.0))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    device = device or DeviceChoice(device="cpu", backend="gloo", name="cpu", local_rank=0, requested="cpu")
+    # device_id binds NCCL's communicator to this rank's GPU (barriers and object collectives use it).
+    dist.init_process_group(device.backend, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=torch.device(device.device) if device.is_cuda else None)
     status: dict = {"attempt": spec.attempt, "run_key": spec.run_key, "world_size": world_size,
-                    "model": spec.model["name"]}
+                    "model": spec.model["name"], **device.record()}
 
     def report(**fields) -> None:
         if rank == 0:
@@ -145,7 +167,7 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
         ctx = TrainingContext(rank=rank, world_size=world_size, run_key=spec.run_key, model=spec.model["name"],
                               hparams=spec.model.get("hyperparameters") or {}, dataset=dataset, checkpoint=handle,
                               preemption=preemption, store=store, log_every_steps=spec.log_every_steps,
-                              inject_failure=spec.inject_failure)
+                              inject_failure=spec.inject_failure, device=device.device, setting=spec.setting)
         report(start_step=None, outcome="running")
         started = time.monotonic()
         try:
@@ -166,7 +188,7 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
                 log.exception("could not report the failed attempt")
             raise
         _report_end(spec, ctx, handle, store, report, rank=rank, world_size=world_size, stopped=stopped,
-                    in_grace=in_grace, started=started)
+                    in_grace=in_grace, started=started, device=device.record())
         # Nobody leaves before rank 0 has committed, so the launcher never sees a peer's exit and
         # SIGTERMs rank 0 in the middle of its last upload.
         dist.barrier()
@@ -188,7 +210,7 @@ def _open_places(spec: JobSpec) -> tuple:
 
 
 def _report_end(spec: JobSpec, ctx, handle, store, report, *, rank: int, world_size: int, stopped: bool, in_grace,
-                started: float) -> None:
+                started: float, device: dict) -> None:
     """How the attempt ended: preempted with its last checkpoint committed, or (rank 0) done, with
     result.json written."""
     last_step = max(s for s in (ctx.last_step, handle.saved_step, handle.restored_step) if s is not None)
@@ -201,6 +223,8 @@ def _report_end(spec: JobSpec, ctx, handle, store, report, *, rank: int, world_s
                     PREEMPTED_EXIT_CODE)
     elif rank == 0:
         result = _result(spec, ctx, handle, last_step, time.monotonic() - started, world_size)
+        result.update(device)  # where the gang trained: device, backend, device name
+        result["training"] = ctx.setting.to_dict()  # precision, optimizer, sharding
         store.put_bytes(RESULT_KEY, json.dumps(result, indent=2, sort_keys=True).encode())
         report(outcome="succeeded", last_step=last_step, last_committed_step=handle.committed_step)
         log.info("training done: %s", json.dumps({k: v for k, v in result.items() if k != "metrics"},
@@ -237,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--spec-env", metavar="NAME", help="environment variable holding the job spec JSON")
     args = parser.parse_args(argv)
 
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s",
                         stream=sys.stderr)
     for name in filter(None, (n.strip() for n in os.environ.get("HYBRIDFLOW_DEBUG_LOGGERS", "").split(","))):
@@ -246,20 +269,33 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption()
     preemption.install()
     try:
+        place = read_rank_env()
+        rank, world_size = place.rank, place.world_size
+        # Training code written for torchrun reads these; every launcher's gaps are filled alike.
+        os.environ.update(place.exports())
         raw = args.spec.read_text() if args.spec else os.environ.get(args.spec_env, "")
         if not raw:
             raise ValueError(f"the job spec variable {args.spec_env} is empty or not set")
         spec = JobSpec.from_dict(json.loads(raw))
-        log.info("run %s: model %s, rank %d of %d, master %s:%s", spec.run_key, spec.model["name"], rank, world_size,
-                 os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-        from hybridflow.registry import resolve
+        log.info("run %s: model %s, rank %d of %d (node %d, local rank %d of %d), master %s:%s", spec.run_key,
+                 spec.model["name"], rank, world_size, place.group_rank, place.local_rank, place.local_world_size,
+                 place.master_addr, place.master_port)
+        # Before the gang forms: a rank without the GPUs it was given fails here, naming the cause,
+        # instead of training on CPU or leaving its peers waiting in a collective.
+        device = choose_device(os.environ)
+        log.info("device %s (%s), backend %s, %s=%s", device.device, device.name, device.backend, DEVICE_ENV,
+                 device.requested)
+        setting = spec.setting
+        log.info("precision %s, optimizer %s, sharding %s (the run's Params, as admission estimated them)",
+                 setting.precision, setting.optimizer, setting.sharding)
+        from hybridflow.config.registry import resolve
 
         # Import the training function before joining the gang: a broken entrypoint fails every rank
         # at once instead of leaving peers waiting in a collective.
         train_fn = resolve(spec.model["entrypoint"], argument="ctx")
-        return run(spec, train_fn, rank, world_size, preemption)
+        return run(spec, train_fn, rank, world_size, preemption, device)
     except Exception:
-        log.exception("rank %d failed", rank)
+        log.exception("rank %s failed", rank)
         return 1
 
 

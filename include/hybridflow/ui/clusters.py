@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from html import escape
 from typing import Any
 
+from hybridflow.dr.fencing.task import REASON_MAX_CHARS
 from hybridflow.ui.runs import _cell, _page
 
 FENCE_DAG = "cluster_fence"
@@ -143,8 +144,8 @@ def serving_summary(serving: Any) -> list[str]:
 
 def served_on_dr(state_dir: Any) -> list[dict[str, Any]]:
     """The endpoints served on the DR side now: the model gateway's takeovers and the DR pool's."""
-    from hybridflow.dr.serving_failover import TAKEOVER, takeovers
-    from hybridflow.dr.serving_k8s import pool_takeovers
+    from hybridflow.dr.failover.serving import TAKEOVER, takeovers
+    from hybridflow.dr.failover.serving_k8s import pool_takeovers
 
     rows = [{"endpoint": e, "path": "model gateway", **_served(a[TAKEOVER])} for e, a in takeovers(state_dir).items()]
     rows += [{"endpoint": e, "path": "inference pool", **_served(r)} for e, r in pool_takeovers(state_dir).items()]
@@ -158,7 +159,7 @@ def _served(entry: Mapping[str, Any]) -> dict[str, Any]:
 def cluster_view(estate: Any, state_dir: Any) -> dict[str, Any]:
     """Everything the page shows, also its JSON: clusters with their state and the action offered,
     the DR endpoints, and the newest declarations first."""
-    from hybridflow.dr.fencing import down_clusters, fence_status, state_path
+    from hybridflow.fencing import down_clusters, fence_status, state_path
 
     status = fence_status(estate, state_path(state_dir))
     has_dr = bool(status["dr_clusters"])
@@ -199,7 +200,7 @@ def _form(row: Mapping[str, Any]) -> str:
     if action is None:
         return _cell(None)
     target = f"data-action='{escape(action)}' data-cluster='{escape(row['cluster'])}'"
-    reason = ("<input name='reason' required maxlength='500' aria-label='reason' "
+    reason = (f"<input name='reason' required maxlength='{REASON_MAX_CHARS}' aria-label='reason' "
               "placeholder='why, e.g. power loss in dc-1'>") if action == "down" else ""
     label = "Declare down" if action == "down" else "Declare up"
     return (f"<form class='declare' {target}>{reason}<button type='submit'>{label}</button>"

@@ -3,8 +3,11 @@ budget state for the month (spend, share, notifications sent, frozen and why, ho
 inference cost per project and model version of the latest allocated day, and per DAG run the cost
 of that run and the state of its project's budget.
 
-Mounted on the plugin app of :mod:`hybridflow.ui.runs` under ``/hybridflow/costs``; access needs read
-access to the DAG runs concerned, like the runs pages.
+Mounted on the plugin app of :mod:`hybridflow.ui.runs` under ``/hybridflow/costs``. The overview (every
+project's budget and spend, the allocation report) needs read access to the ``gpu_budgets`` DAG's runs;
+a run's *Cost & budget* tab needs read access to that run's DAG and shows only that run and its own
+project's budget: it exists for the training DAG's runs, whose record is that run's, and answers 404
+for any other DAG's run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ ATTEMPTS_FILE = "attempts.parquet"  # each attempt of the day as allocated, with
 INFERENCE_FILE = "inference.parquet"  # the day's inference cost lines (hybridflow.ledger.inference)
 BUDGETS_DAG = "gpu_budgets"
 TRAINING_DAG = "hybrid_training"
+COST_DAGS = (TRAINING_DAG,)  # the DAGs whose runs write a run record, hence have a cost of their own
 URL_PREFIX = "/hybridflow"  # where the plugin mounts the app (plugins/hybridflow_ui.py)
 
 _BUDGET_STYLE = """
@@ -176,10 +180,16 @@ def allocated_attempts(private_root: Path, record: dict) -> list[dict[str, Any]]
     return out
 
 
+class NotTheRunsRecord(LookupError):
+    """The record found under a run's key names another DAG or run: it is not shown as that run's cost."""
+
+
 def run_cost_view(private_root: Path, config_dir: Path, store, dag_id: str, run_id: str) -> dict[str, Any]:
     """A training run's cost from its record, and its project's budget in the month it was recorded."""
     run_key = RunIdentity(dag_id, run_id).run_key
     record = next((_read_json(p) for p in sorted(private_root.glob(f"records/*/{run_key}.json"))), None)
+    if record and (record.get("dag_id"), record.get("run_id")) != (dag_id, run_id):
+        raise NotTheRunsRecord(f"the record filed under {run_key} is not {dag_id} / {run_id}'s")
     if not record:
         return {"dag_id": dag_id, "run_id": run_id, "record": None, "budget": None}
     recorded = record.get("recorded_at")
@@ -272,6 +282,12 @@ def render_run_cost(view: dict[str, Any], *, base: str = URL_PREFIX) -> str:
     return _page(title, f"<style>{_BUDGET_STYLE}</style>" + "".join(parts))
 
 
+def render_no_run_cost(dag_id: str, run_id: str, why: str, *, base: str = URL_PREFIX) -> str:
+    title = f"Cost of {dag_id} / {run_id}"
+    return _page(title, f"<h1>{escape(title)}</h1><p class='muted'>{escape(why)}</p>"
+                        f"<p><a href='{base}/costs'>GPU costs &amp; budgets</a></p>")
+
+
 def _access(authorize: bool) -> tuple[list, list]:
     """Route dependencies: read access to the budgets DAG's runs (overview), to the DAG run (per run)."""
     if not authorize:
@@ -355,17 +371,20 @@ def add_cost_pages(
         return FileResponse(path, media_type="text/html")
 
     @app.get("/costs/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=run_access)
-    def run_cost_page(dag_id: str, run_id: str) -> str:
+    def run_cost_page(dag_id: str, run_id: str):
+        # Reading a DAG's runs grants that run's cost, never other projects' budgets or the report.
+        if dag_id not in COST_DAGS:
+            return HTMLResponse(render_no_run_cost(
+                dag_id, run_id, f"only {', '.join(COST_DAGS)} runs have a cost of their own; {dag_id} runs do "
+                "not. Every project's budget and spend is on the GPU costs & budgets page, for those who may "
+                f"read the {BUDGETS_DAG} DAG's runs.", base=url_prefix), status_code=404)
         root, cfg_dir = paths()
-        if dag_id != TRAINING_DAG:  # the nightly cost DAGs: the state they produced and the report
-            period = period_now()
-            rows, note = current_rows(open_store(), cfg_dir, period)
-            heading = f"GPU costs &amp; budgets, as of {escape(dag_id)} / {escape(run_id)}"
-            report = latest_report(root)
-            return render_costs(rows, period, report, note, base=url_prefix, heading=heading,
-                                inference=inference_lines_of(root, report[0]) if report else [])
         try:
-            view = run_cost_view(root, cfg_dir, open_store(), dag_id, run_id)
-        except SQLAlchemyError:  # the cost still shows; the budget column reads "not evaluated yet"
-            view = run_cost_view(root, cfg_dir, None, dag_id, run_id)
+            try:
+                view = run_cost_view(root, cfg_dir, open_store(), dag_id, run_id)
+            except SQLAlchemyError:  # the cost still shows; the budget column reads "not evaluated yet"
+                view = run_cost_view(root, cfg_dir, None, dag_id, run_id)
+        except NotTheRunsRecord as exc:
+            return HTMLResponse(render_no_run_cost(dag_id, run_id, f"no cost for this run: {exc}.", base=url_prefix),
+                                status_code=404)
         return render_run_cost(view, base=url_prefix)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from html import escape
 from typing import Any
 
-from hybridflow.dr.drill_report import Targets
+from hybridflow.dr.drills.report import Targets
 from hybridflow.ui.runs import _cell, _page
 
 DRILL_DAG = "dr_drill"
@@ -84,7 +84,7 @@ def add_drill_pages(app, *, source: Callable[[], list[dict[str, Any]]] | None = 
     def read() -> tuple[list[dict[str, Any]], str]:
         if source is not None:
             return source(), ""
-        from hybridflow.dr.drill_report import history
+        from hybridflow.dr.drills.report import history
         from hybridflow.settings import get_settings
 
         try:

@@ -36,14 +36,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.backends.base import (
+    INSTANCE_KEY,
     ClusterLoad,
     GangBackend,
     GangJob,
     QueueStanding,
+    instance_identity,
     owner_annotations,
     standing_in,
 )
-from hybridflow.backends.errors import GangFailed, GangNotAdmitted
+from hybridflow.backends.errors import GangFailed, GangNotAdmitted, PreemptionBudgetSpent
 from hybridflow.backends.k8s import load as _load
 from hybridflow.backends.k8s import pods as _pods
 from hybridflow.backends.k8s.api import job_call, ride_out
@@ -74,14 +76,11 @@ from hybridflow.backends.k8s.status import (  # noqa: F401 - the gang's states, 
 )
 from hybridflow.config import Cluster
 from hybridflow.errors import GangError
+from hybridflow.hooks.kubernetes import kubernetes_hook
 
 # The worker reads its job spec from the pod's (non-secret) environment.
 SPEC_ENV = "HYBRIDFLOW_JOB_SPEC"
 DEFAULT_COMMAND = ("python", "-m", "hybridflow.training.worker", "--spec-env", SPEC_ENV)
-
-class PreemptionBudgetSpent(GangFailed):
-    """The gang was preempted more often than ``training.preemption_retries`` allows."""
-
 
 @dataclass(frozen=True)
 class Submission:
@@ -93,13 +92,6 @@ class Submission:
 
 def _status_code(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
-
-
-def make_hook(conn_id: str) -> Any:
-    """The provider's hook for a cluster's Connection (imported late: DAG files stay light)."""
-    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
-    return KubernetesHook(conn_id=conn_id)
 
 
 def delete_gang(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float) -> bool:
@@ -165,7 +157,7 @@ class KubernetesGangBackend(GangBackend):
     @property
     def hook(self) -> Any:
         if self._hook is None:
-            self._hook = make_hook(self.cluster.conn_id)
+            self._hook = kubernetes_hook(self.cluster.conn_id)
         return self._hook
 
     def gang_spec(self, job: GangJob, *, pool: str, queue: str, gpus_per_worker: int = 1) -> GangSpec:
@@ -174,6 +166,7 @@ class KubernetesGangBackend(GangBackend):
         if job.spec.get("run_key"):
             # The job name may truncate the run key; metering can tie pods to the run by this label.
             labels["run-key"] = str(job.spec["run_key"])
+        labels[INSTANCE_KEY] = instance_identity()  # hybridflow.io/instance: whose reaper may release it
         secret = f"{job.name}-env" if job.env else None
         return GangSpec(
             name=job.name, namespace=self.namespace, workers=job.workers, image=self.image, command=self.command,
@@ -181,7 +174,7 @@ class KubernetesGangBackend(GangBackend):
             max_retry=self.max_retry, labels=labels, env={SPEC_ENV: json.dumps(job.spec, sort_keys=True)},
             env_secret=secret, annotations=owner_annotations(job.owner),
             volumes=((self.cluster.scratch_claim, self.cluster.scratch_dir),) if self.cluster.scratch_claim else (),
-            grace_s=self.grace_s,
+            grace_s=self.grace_s, nccl_socket_ifname=self.cluster.nccl_socket_ifname,
         )
 
     def status(self, name: str) -> GangStatus:
@@ -198,9 +191,10 @@ class KubernetesGangBackend(GangBackend):
             self.delete(spec.name)
         elif existing.phase != MISSING:
             return Submission(spec.name, self.namespace, False, existing)
+        self._check_claims(spec)
         if spec.env_secret:
             self._put_secret(env_secret(spec.env_secret, self.namespace, secret_env or {}, spec.name,
-                                         spec.annotations))
+                                         spec.annotations, instance=spec.labels.get(INSTANCE_KEY)))
         try:
             if self.scheduler == "volcano":
                 self.hook.custom_object_client.create_namespaced_custom_object(
@@ -220,6 +214,26 @@ class KubernetesGangBackend(GangBackend):
             # Created concurrently by another try of the same task: attach to it.
             return Submission(spec.name, self.namespace, False, self.status(spec.name))
         return Submission(spec.name, self.namespace, True, GangStatus(PENDING))
+
+    def _check_claims(self, spec: GangSpec) -> None:
+        """Every volume's PersistentVolumeClaim exists in the namespace. A real scheduler keeps a pod
+        whose claim is missing Pending for good, saying so only in its own log and the pod's events,
+        so the gang would wait out its whole admission timeout; refuse it here instead, before the
+        job or its Secret is created. An identity that may not read claims goes on unchecked."""
+        for claim, mount in spec.volumes:
+            try:
+                self.hook.core_v1_client.read_namespaced_persistent_volume_claim(
+                    name=claim, namespace=self.namespace, _request_timeout=self.read_timeout_s)
+            except Exception as exc:
+                if _status_code(exc) in (401, 403):
+                    continue
+                if _status_code(exc) != 404:
+                    raise
+                raise GangError(
+                    f"clusters.{self.cluster.name}.scratch_claim: no PersistentVolumeClaim {claim!r} in namespace "
+                    f"{self.namespace!r} (the gang's pods mount it at {mount}, and a pod whose claim is missing is "
+                    f"never scheduled): create the claim there, or keep checkpoints in 'cache' and remove "
+                    f"scratch_claim; nothing was submitted") from exc
 
     def _create_ignoring_conflict(self, create: Callable[..., Any], body: dict) -> None:
         try:

@@ -23,8 +23,16 @@ from hybridflow.errors import HybridFlowError
 VOLCANO_GROUP, VOLCANO_VERSION, VOLCANO_PLURAL = "batch.volcano.sh", "v1alpha1", "jobs"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GANG_LABEL = "hybridflow.io/gang"  # on the job and every pod: node health restarts gangs by it
+# The Airflow instance that made the gang (backends.base.instance_identity), on the job, every pod, its
+# Secret and Service: a reaper releases only its own instance's gangs.
+INSTANCE_LABEL = "hybridflow.io/instance"
 GPU_RESOURCE = "nvidia.com/gpu"
 RENDEZVOUS_PORT = 23456
+# Every pod requests GPUs, so its worker must use one: it fails at start when none is usable
+# (hybridflow.training.device) instead of training on CPU beside idle GPUs.
+DEVICE_ENV = {"HYBRIDFLOW_DEVICE": "cuda"}
+# One worker process per pod: torchrun's per-machine variables are those of a one-rank machine.
+LOCAL_ENV = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 # A worker exits with this code after committing its final checkpoint on SIGTERM (preemption,
 # eviction, node drain): the gang restarts from that checkpoint under the preemption budget.
 PREEMPTED_EXIT = 75
@@ -86,6 +94,8 @@ class GangSpec:
     volumes: tuple[tuple[str, str], ...] = ()
     # SIGTERM -> SIGKILL of a deleted or evicted pod: its worker's time to commit a final checkpoint.
     grace_s: float = 30
+    # The network interface(s) NCCL uses between pods (clusters.<name>.nccl_socket_ifname); None: NCCL's choice.
+    nccl_socket_ifname: str | None = None
 
     def check(self) -> None:
         """Refuse specs Kubernetes would reject (or that could never be admitted), naming the field."""
@@ -150,6 +160,7 @@ def _container(spec: GangSpec, env: list[dict]) -> dict:
         "image": spec.image,
         "command": list(spec.command),
         "env": [{"name": "HYBRIDFLOW_GANG", "value": spec.name},
+                *({"name": k, "value": v} for k, v in sorted(_platform_env(spec).items()) if k not in spec.env),
                 *({"name": k, "value": v} for k, v in sorted(spec.env.items())), *env],
         "resources": {"limits": {GPU_RESOURCE: spec.gpus_per_worker}},
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
@@ -159,6 +170,14 @@ def _container(spec: GangSpec, env: list[dict]) -> dict:
     if spec.volumes:
         container["volumeMounts"] = [{"name": f"vol-{i}", "mountPath": mount} for i, (_, mount) in enumerate(spec.volumes)]
     return container
+
+
+def _platform_env(spec: GangSpec) -> dict[str, str]:
+    """What every worker of a gang is told about its node: GPUs to use, one rank per pod, NCCL's interface."""
+    env = {**DEVICE_ENV, **LOCAL_ENV}
+    if spec.nccl_socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = spec.nccl_socket_ifname
+    return env
 
 
 def _pod_spec(spec: GangSpec, env: list[dict]) -> dict:
@@ -183,7 +202,8 @@ def volcano_job(spec: GangSpec) -> dict:
     """A Volcano ``batch.volcano.sh/v1alpha1`` Job: a master and ``workers - 1`` workers, gang-admitted.
 
     The pytorch plugin sets MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, svc gives pods stable
-    hostnames, env adds VK_TASK_INDEX. A preempted rank (exit ``PREEMPTED_EXIT``) or an evicted pod
+    hostnames, env adds VK_TASK_INDEX; the worker derives GROUP_RANK/NODE_RANK from RANK (one rank
+    per pod). A preempted rank (exit ``PREEMPTED_EXIT``) or an evicted pod
     restarts the whole job (a gang with a missing rank cannot make progress), at most ``max_retry``
     times (the preemption budget); any other failed pod terminates the job at once, so the task's
     own retries apply. Volcano takes the first policy that matches a pod's event or exit code.
@@ -232,12 +252,14 @@ def kueue_job(spec: GangSpec) -> dict:
     """
     spec.check()
     labels = _labels(spec)
+    index = {"valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
     env = [
         {"name": "MASTER_ADDR", "value": f"{spec.name}-0.{spec.name}"},
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "WORLD_SIZE", "value": str(spec.workers)},
-        {"name": "RANK", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        # One rank per pod: the completion index is the rank and the node's rank alike.
+        *({"name": name, **index} for name in ("RANK", "GROUP_RANK", "NODE_RANK")),
     ]
     pod = _pod_spec(spec, env)
     pod["subdomain"] = spec.name
@@ -277,9 +299,11 @@ def rendezvous_service(spec: GangSpec) -> dict:
 
 
 def env_secret(name: str, namespace: str, env: Mapping[str, str], gang: str,
-               annotations: Mapping[str, str] | None = None) -> dict:
-    """The Secret holding a gang's secret environment (store credentials), annotated with the gang's owner."""
-    metadata = {"name": name, "namespace": namespace, "labels": {GANG_LABEL: gang}}
+               annotations: Mapping[str, str] | None = None, *, instance: str | None = None) -> dict:
+    """The Secret holding a gang's secret environment (store credentials), annotated with the gang's
+    owner and labelled with the Airflow instance that made it."""
+    metadata = {"name": name, "namespace": namespace,
+                "labels": {GANG_LABEL: gang, **({INSTANCE_LABEL: instance} if instance else {})}}
     if annotations:
         metadata["annotations"] = dict(annotations)
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata, "stringData": dict(env)}

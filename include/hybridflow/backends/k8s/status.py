@@ -5,41 +5,28 @@ backend's blocking wait and the trigger)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.backends.base import (  # the contract's gang status, read here from the cluster's objects
+    APPLICATION,
+    BUDGET_SPENT,
+    FAILED,
+    MISSING,
+    PENDING,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    GangStatus,
+)
 from hybridflow.backends.k8s import pods as _pods
 from hybridflow.backends.k8s.api import missing
 from hybridflow.backends.k8s.manifests import VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
 
-PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
-    "pending", "running", "restarting", "succeeded", "failed", "missing")
 _VOLCANO_PHASES = {
     "Pending": PENDING, "Running": RUNNING, "Completing": RUNNING, "Restarting": RESTARTING,
     "Completed": SUCCEEDED, "Aborting": FAILED, "Aborted": FAILED, "Terminating": FAILED,
     "Terminated": FAILED, "Failed": FAILED,
 }
-
-
-APPLICATION, BUDGET_SPENT = "application", "preemption_budget"
-
-
-@dataclass(frozen=True)
-class GangStatus:
-    """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
-    restarting, succeeded, failed, missing."""
-
-    phase: str
-    message: str = ""
-    retries: int = 0  # gang restarts after a preemption so far
-    cause: str = ""  # of a failure: APPLICATION (a worker failed) or BUDGET_SPENT (preempted too often)
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in (SUCCEEDED, FAILED, MISSING)
-
-    def to_dict(self) -> dict:
-        return {"phase": self.phase, "message": self.message, "retries": self.retries, "cause": self.cause}
 
 
 def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float,

@@ -6,17 +6,18 @@ decides in ``execute_complete``), and every outcome, errors included, becomes on
 
 - ``success``: the gang finished;
 - ``failed``: it failed for good (restarts exhausted, or the job vanished);
-- ``not_admitted``: still waiting for gang admission, and another eligible cluster would admit it
-  now (looked for every ``admission_timeout_s``); without ``run`` and ``placement`` (nothing to
-  look with) this fires once ``admission_timeout_s`` has passed;
+- ``not_admitted``: still waiting for gang admission ``admission_timeout_s`` after ``submitted_at``:
+  the operator looks for another eligible cluster that would admit it now and moves it there, or
+  defers again for another window (the gang keeps its place in the queue);
 - ``expired``: still waiting ``max_wait_s`` after it first queued (``queued_since``);
 - ``error``: the API could not be read: it refused the Connection (401, or 403 naming the RBAC verb
   and resource missing), or stayed unreachable for ``api_outage_s`` (connection errors, timeouts, 429
   and 5xx answers are retried with backoff until then, without ending the wait).
 
-While the gang waits, its position in the cluster's queue, the GPUs ahead of it and an estimated
-start go to the triggerer's log and to the run's queue.json (:mod:`hybridflow.queueing`).
-The event's ``gang`` holds the last :class:`~hybridflow.backends.k8s.backend.GangStatus` as a dict,
+The trigger only waits: while it waits it reads the gang's status and changes nothing, neither on the cluster
+nor in the run's files, and never places. Where the gang stands in the queue (the run's queue.json)
+is written by the operator each time it defers (:mod:`hybridflow.queueing`).
+The event's ``gang`` holds the last :class:`~hybridflow.backends.base.GangStatus` as a dict,
 ``admitted`` whether the gang ever started and ``admitted_at`` (epoch) when it was first seen so.
 
 A user marking the deferred task failed or success, or clearing it, cancels the wait: Airflow then
@@ -45,10 +46,10 @@ from hybridflow.backends.k8s.backend import (
     SUCCEEDED,
     GangStatus,
     delete_gang,
-    make_hook,
     read_status,
 )
 from hybridflow.errors import GangError
+from hybridflow.hooks.kubernetes import kubernetes_hook
 
 # on_kill retries transient API errors this long: within the triggerer's default on_kill_timeout.
 KILL_RETRY_S = 15.0
@@ -73,8 +74,6 @@ class GangJobTrigger(BaseTrigger):
         self.admitted = admitted
         self.queued_since = queued_since or submitted_at
         self.max_wait_s = max_wait_s
-        self.run_info = run
-        self.placement = placement
         self.admitted_at = admitted_at
         self.request_timeout_s = request_timeout_s  # bounds each Kubernetes API call
         self.api_outage_s = api_outage_s  # how long an unreachable API is waited out
@@ -87,7 +86,7 @@ class GangJobTrigger(BaseTrigger):
              "cluster": self.cluster, "submitted_at": self.submitted_at,
              "admission_timeout_s": self.admission_timeout_s, "poll_interval": self.poll_interval,
              "admitted": self.admitted, "queued_since": self.queued_since, "max_wait_s": self.max_wait_s,
-             "run": self.run_info, "placement": self.placement, "admitted_at": self.admitted_at,
+             "admitted_at": self.admitted_at,
              "request_timeout_s": self.request_timeout_s, "api_outage_s": self.api_outage_s,
              "max_retry": self.max_retry},
         )
@@ -100,13 +99,13 @@ class GangJobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # The provider's sync hook in a thread: the same client calls as the backend's, off the event loop.
         # Kept for on_kill: building the client again (Connection, kubeconfig) takes seconds on a busy triggerer.
-        hook = self._hook = make_hook(self.conn_id)
+        hook = self._hook = kubernetes_hook(self.conn_id)
         # The triggerer answers the first task-state question by building Airflow's in-process
         # execution API (about 5 s, more on a busy host). Asked now, off the wait's path, so that a
         # user's stop later reaches on_kill's state check warm.
         self._warm_up = asyncio.ensure_future(self._task_state())
         window_end = self.submitted_at + self.admission_timeout_s
-        last_note = None
+        last_seen = None
         while True:
             gang = await self._read(hook)
             if isinstance(gang, TriggerEvent):
@@ -127,19 +126,13 @@ class GangJobTrigger(BaseTrigger):
                                       "admission", gang.to_dict())
                     return
                 if now >= window_end:
-                    window_end = now + self.admission_timeout_s
-                    other = await asyncio.to_thread(self._room_elsewhere)
-                    if other is not False:
-                        yield self._event("not_admitted", f"gang {self.name} was not admitted within "
-                                          f"{self.admission_timeout_s:.0f} s" + (f"; {other} would admit it now"
-                                                                                 if other else ""), gang.to_dict())
-                        return
-                note = await asyncio.to_thread(self._note)
-                if note and note != last_note:
-                    self.log.info("gang %s %s", self.name, note)
-                    last_note = note
-            else:
+                    yield self._event("not_admitted", f"gang {self.name} was not admitted within "
+                                      f"{self.admission_timeout_s:.0f} s", gang.to_dict())
+                    return
+            seen = (gang.phase, gang.message)
+            if seen != last_seen:  # a line per change, not per poll
                 self.log.info("gang %s: %s %s", self.name, gang.phase, gang.message)
+                last_seen = seen
             await asyncio.sleep(self.poll_interval)
 
     async def _read(self, hook: Any) -> GangStatus | TriggerEvent:
@@ -179,7 +172,7 @@ class GangJobTrigger(BaseTrigger):
             self.log.info("gang %s/%s on %s left running: the task is still deferred (its wait moved to another "
                           "triggerer)", self.namespace, self.name, self.cluster)
             return
-        hook = getattr(self, "_hook", None) or make_hook(self.conn_id)
+        hook = getattr(self, "_hook", None) or kubernetes_hook(self.conn_id)
         give_up, delay = time.monotonic() + KILL_RETRY_S, 0.5
         while True:
             try:
@@ -215,33 +208,3 @@ class GangJobTrigger(BaseTrigger):
         run = states.get(ti.run_id) or {}
         key = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}_{ti.map_index}"
         return run.get(key)
-
-    def _room_elsewhere(self) -> str | None | bool:
-        """Another eligible cluster with room now (its name), or False: keep waiting here. Without the
-        run to place, None: the operator decides (the earlier behaviour)."""
-        if not self.run_info or self.placement is None:
-            return None
-        from hybridflow.queueing import room_elsewhere
-
-        return room_elsewhere(self.run_info, self.placement, self.cluster) or False
-
-    def _note(self) -> str | None:
-        """Where the gang stands, for the log and the run's page; None if it cannot be told."""
-        if not self.run_info:
-            return None
-        from hybridflow.backends import gang_backend
-        from hybridflow.config import load_estate
-        from hybridflow.queueing import describe, estimate_for, note_standing
-        from hybridflow.settings import get_settings
-
-        try:
-            settings = get_settings()
-            estate = load_estate(settings.config_dir)
-            backend = gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
-            load = backend.load()
-            note = note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster,
-                                 state="waiting", queued_since=self.queued_since, standing=backend.standing(self.name),
-                                 estimate=estimate_for(estate, self.cluster, int(self.run_info.get("workers", 1)), load))
-        except Exception as exc:  # noqa: BLE001 - the standing is a help, never a reason to stop waiting
-            return f"standing unknown ({exc})"
-        return describe(note)

@@ -163,6 +163,8 @@ class NodeAgent:
                 env[item.name] = base64.b64decode(data[ref.key]).decode()
             else:
                 env[item.name] = ""
+        # This node advertises GPUs the machine may not have: a pod's worker uses what is really here.
+        env["HYBRIDFLOW_DEVICE"] = "auto"
         if "MASTER_ADDR" in env:  # a pod DNS name: every rank runs here
             gang = _gang(pod)
             env["MASTER_ADDR"] = "127.0.0.1"

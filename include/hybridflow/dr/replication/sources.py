@@ -5,7 +5,7 @@
   dataset lives and must still match the pin;
 - **model versions**: the bundles an endpoint serves or served, newest first, the one serving now
   always included: ``<endpoint>/versions/*.json`` of the local model gateway, or on the Kubernetes
-  serving target the bundles published on its models volume (:mod:`hybridflow.dr.sources_k8s`); a
+  serving target the bundles published on its models volume (:mod:`hybridflow.dr.replication.sources_k8s`); a
   bundle keeps no digests, so its bytes as first replicated are what the DR manifest records;
 - **checkpoints**: the newest committed checkpoint of a run, from either of its two places, every
   shard checked against the checkpoint's manifest.
@@ -19,8 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.datasets import DatasetVersion, Location
-from hybridflow.dr.layout import checkpoint_prefix, model_manifest, model_manifest_key, model_prefix
-from hybridflow.dr.replicas import Copied, Problem, ReplicaSet, Wanted
+from hybridflow.dr.replication.layout import (
+    checkpoint_prefix,
+    model_manifest,
+    model_manifest_key,
+    model_prefix,
+)
+from hybridflow.dr.replication.replicas import Copied, Problem, ReplicaSet, Wanted
 from hybridflow.rundata import VERSION_FILE
 from hybridflow.staging.layout import blob_key, manifest_key_for
 from hybridflow.storage.manifest import BlobRecord, DatasetManifest, ManifestEntry
@@ -108,14 +113,14 @@ def served_endpoint_names(estate, settings) -> list[str]:
     """The endpoints the estate's deploy target serves or served: the local gateway's, or those with
     a bundle on the Kubernetes target's models volume."""
     if serves_locally(estate):
-        from hybridflow.dr.scope import served_endpoints
+        from hybridflow.dr.replication.scope import served_endpoints
 
         return served_endpoints(Path(settings.state_dir) / "serving")
-    from hybridflow.dr.sources_k8s import published_endpoints
+    from hybridflow.dr.replication.sources_k8s import published_endpoints
 
     k8s = estate.pipeline.serving.kubernetes
     if k8s is None:
-        from hybridflow.dr.scope import ReplicationError
+        from hybridflow.dr.replication.scope import ReplicationError
         from hybridflow.serving import target_name
 
         raise ReplicationError("serving.kubernetes", f"not set, but serving.target is "
@@ -130,7 +135,7 @@ def endpoint_versions(estate, settings, endpoint: str, problems: list[Problem]) 
     deploy target; what could not be looked at is added to ``problems``."""
     if serves_locally(estate):
         return served_versions(Path(settings.state_dir) / "serving", endpoint)
-    from hybridflow.dr.sources_k8s import k8s_served_versions
+    from hybridflow.dr.replication.sources_k8s import k8s_served_versions
 
     return k8s_served_versions(estate, settings, endpoint, problems)
 

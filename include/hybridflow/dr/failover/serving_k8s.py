@@ -7,7 +7,7 @@ through the DR cluster's Connection, in the kind (``kserve`` or ``deployment``) 
 ``serving.kubernetes``.
 
 **Starting an endpoint there** (:func:`start_on_dr`): the replica is fetched from the DR store and
-verified against its manifest (:func:`hybridflow.dr.serving_failover.fetch_replica`), published on
+verified against its manifest (:func:`hybridflow.dr.failover.serving.fetch_replica`), published on
 the DR models volume, and served:
 
 - ``kserve``: one InferenceService taking all traffic, created from the same manifest as a deploy's.
@@ -23,13 +23,13 @@ the DR models volume, and served:
 An endpoint that serves the version asked already (ready, all traffic; for ``kserve`` also answering)
 starts nothing.
 
-**Failover** (:func:`fail_over_pool`, from :func:`hybridflow.dr.serving_failover.fail_over`). Which
+**Failover** (:func:`fail_over_pool`, from :func:`hybridflow.dr.failover.serving.fail_over`). Which
 endpoints move: those the primary's API server lists in ``serving.kubernetes.namespace``
 (InferenceServices, or stable Deployments, labelled with the endpoint), each from the version it
 serves. A cluster declared down often does not answer; then every endpoint with a model in the DR
 store moves (only those of ``dr.replicate.endpoints`` when it names some), from its newest replica,
 since the version served cannot be asked. The takeover is kept in
-``state/serving/<endpoint>/takeover-k8s.json``; the failback (:mod:`hybridflow.dr.serving_k8s_failback`)
+``state/serving/<endpoint>/takeover-k8s.json``; the failback (:mod:`hybridflow.dr.failover.serving_k8s_failback`)
 reads it to know what to move back and removes it once the primary serves again.
 """
 
@@ -64,7 +64,7 @@ def dr_pool(dr: Any) -> Any:
 
 def dr_target(estate: Any, dr: Any, endpoint: str, *, log: Any = None) -> Any:
     """The deploy target of ``endpoint`` on the DR cluster's pool (KServeTarget or KubernetesTarget)."""
-    from hybridflow.backends.k8s.backend import make_hook
+    from hybridflow.hooks.kubernetes import kubernetes_hook
     from hybridflow.serving.k8s import InferenceRollout, KubernetesTarget
     from hybridflow.serving.k8s_manifests import InferencePool
     from hybridflow.serving.kserve import InferenceServiceApi, KServeTarget
@@ -78,7 +78,7 @@ def dr_target(estate: Any, dr: Any, endpoint: str, *, log: Any = None) -> Any:
     pool = InferencePool(endpoint=endpoint, namespace=ds.namespace, pool=dr.pool(ds.node_pool),
                          models_claim=ds.models_claim, replicas=ds.replicas, port=k8s.port,
                          gpus_per_replica=k8s.gpus_per_replica)
-    hook = make_hook(dr.conn_id)
+    hook = kubernetes_hook(dr.conn_id)
     if k8s.kind == "kserve":
         where = {"cluster": dr.name, "namespace": ds.namespace, "inference_service": endpoint}
         return KServeTarget(InferenceServiceApi(hook, ds.namespace, endpoint), pool, image=k8s.image,
@@ -99,7 +99,7 @@ def service_url(endpoint: str, namespace: str) -> str:
 def probe_rows(bundle: Path) -> list[list[Any]]:
     """One instance made from the bundle's signature (each column at its minimum)."""
     from hybridflow.bundle import read_card
-    from hybridflow.dr.drill_takeover import probe_instance
+    from hybridflow.dr.drills.takeover import probe_instance
 
     return [probe_instance(read_card(Path(bundle)).signature)]
 
@@ -167,7 +167,7 @@ def start_on_dr(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | N
                 log: Any = None) -> dict[str, Any]:
     """Serve ``endpoint`` on the DR pool from its replica (``version`` when replicated, else the newest);
     NoReplica when none is, DeploymentError when it does not come up (see the module doc)."""
-    from hybridflow.dr.serving_failover import fetch_replica
+    from hybridflow.dr.failover.serving import fetch_replica
 
     target = dr_target(estate, dr, endpoint, log=log)  # a DR cluster that cannot serve fails before the fetch
     body, bundle, source = fetch_replica(spec, endpoint, version, Path(scratch) / endpoint)
@@ -227,7 +227,7 @@ def clear_record(state_dir: Any, endpoint: str) -> None:
 def served_on_primary(estate: Any) -> dict[str, str | None]:
     """``{endpoint: version}`` of the pool's endpoints, asked of the primary's API server (raises if it
     does not answer)."""
-    from hybridflow.backends.k8s.backend import make_hook
+    from hybridflow.hooks.kubernetes import kubernetes_hook
     from hybridflow.serving.k8s_manifests import ENDPOINT_LABEL, TRACK_LABEL, VERSION_LABEL
     from hybridflow.serving.kserve_manifests import (
         GROUP,
@@ -238,7 +238,7 @@ def served_on_primary(estate: Any) -> dict[str, str | None]:
     )
 
     k8s = estate.pipeline.serving.kubernetes
-    hook = make_hook(estate.clusters[k8s.cluster].conn_id)
+    hook = kubernetes_hook(estate.clusters[k8s.cluster].conn_id)
     if k8s.kind == "kserve":
         listed = hook.custom_object_client.list_namespaced_custom_object(
             group=GROUP, version=VERSION, plural=PLURAL, namespace=k8s.namespace, label_selector=ENDPOINT_LABEL,
@@ -267,7 +267,7 @@ def replicated_endpoints(dr: Any, spec: Any) -> dict[str, str | None]:
 
 def _take_over(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | None, scratch: Path,
                state_dir: Any) -> dict[str, Any]:
-    from hybridflow.dr.serving_failover import NoReplica
+    from hybridflow.dr.failover.serving import NoReplica
 
     primary = {"cluster": estate.pipeline.serving.kubernetes.cluster, "version": version}
     try:
@@ -290,7 +290,7 @@ def _take_over(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | No
 
 def fail_over_pool(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = None) -> dict[str, Any]:
     """Serve the endpoints of the inference pool on ``cluster_name`` from the DR pool (see the module doc)."""
-    from hybridflow.dr.serving_failover import dr_side, serving_cluster
+    from hybridflow.dr.failover.serving import dr_side, move_each, serving_cluster
 
     where, why = serving_cluster(estate)
     if where != cluster_name:
@@ -316,7 +316,7 @@ def fail_over_pool(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: A
         reason = f"{exc}; serving left as it was"
         return {**base, "drained": False, "endpoints": {e: {"state": "not moved", "reason": reason} for e in endpoints},
                 "note": reason}
-    moved = {e: _take_over(estate, dr, spec, e, v, scratch, state_dir) for e, v in sorted(endpoints.items())}
+    moved = move_each(sorted(endpoints), lambda e: _take_over(estate, dr, spec, e, endpoints[e], scratch, state_dir))
     if not moved:
         return {**base, "drained": False, "endpoints": {}, "note": f"nothing to move: no endpoint in {listed}"}
     return {**base, "drained": all(m["state"] == "on dr" for m in moved.values()), "endpoints": moved}

@@ -121,7 +121,7 @@ def scope_of(estate, settings, dr, *, endpoints: Sequence[str] | None = None, da
              runs: Sequence[CriticalRun] | None = None, log: Any = logger) -> Scope:
     """What to keep on ``dr``; names given are checked against the estate first (ReplicationError
     naming ``endpoints`` or ``datasets``)."""
-    from hybridflow.dr.sources import endpoint_versions, served_endpoint_names
+    from hybridflow.dr.replication.sources import endpoint_versions, served_endpoint_names
 
     served = served_endpoint_names(estate, settings)
     if endpoints is not None:

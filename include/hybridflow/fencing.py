@@ -3,11 +3,13 @@
 A cluster declared down is fenced: placement gives it no new runs, and while a ``role: primary``
 cluster is down the estate is in takeover (the disaster-recovery pool serves critical runs, normal
 runs wait, batch runs are paused: :mod:`hybridflow.placement.takeover`). Declaring it up again
-(failback) lifts the fence.
+(failback) lifts the fence. The record sits below placement and disaster recovery: DR's tasks and
+commands write it, placement and the queue waits read it.
 
 The state is one small JSON file, ``<HYBRIDFLOW_HOME>/state/fencing.json``, kept like node health's
-cordons (locked while read and written, replaced atomically), so every task, trigger and command on
-the machine reads the same fence::
+cordons (locked while read and written, replaced atomically, each write synced to disk before and
+after the rename), so every task, trigger and command on the machine reads the same fence. A fence
+file that is empty or cannot be read is an error naming it, never "no cluster is down"::
 
     {"down": {"<cluster>": {"cluster", "reason", "by", "declared_at", "drain"?}},
      "history": [{"event": "down" | "up", "cluster", "by", "at", ...}, ...]}
@@ -44,7 +46,7 @@ class FencingError(HybridFlowError):
 
 @dataclass(frozen=True)
 class FenceChange:
-    """What one ``declare_down`` / ``declare_up`` did: ``changed`` False when the cluster was in
+    """What one ``declare_down`` / ``lift_fence`` did: ``changed`` False when the cluster was in
     that state already (``record`` is then the standing one)."""
 
     cluster: str
@@ -69,20 +71,58 @@ def _empty() -> dict[str, Any]:
     return {"down": {}, "history": []}
 
 
+def _unreadable(path: Path, what: str) -> FencingError:
+    # An unreadable fence must never read as "no cluster is down": placement would use a fenced cluster.
+    return FencingError(
+        f"the fence file {path} {what}, so which clusters are declared down is unknown and nothing is placed or "
+        "declared until it is repaired: restore it from a backup of the state folder, or, once you know which "
+        f"clusters are down, move it aside (mv {path} {path}.bad) and declare those clusters down again "
+        "(hybridflow cluster down <cluster> --reason ...)")
+
+
 def read_fence(path: Path | None = None) -> dict[str, Any]:
-    """The fence as last written (``down`` and ``history``); empty when nothing was ever declared."""
+    """The fence as last written (``down`` and ``history``); empty when nothing was ever declared
+    (no file). A file that is empty, cannot be read or is not a fence raises :class:`FencingError`
+    naming it and the fix."""
     path = path or state_path()
     try:
         text = path.read_text()
     except FileNotFoundError:
         return _empty()
-    state = json.loads(text) if text.strip() else {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _unreadable(path, f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not text.strip():
+        raise _unreadable(path, "is empty (a write cut short, e.g. by a crash or a full disk)")
+    try:
+        state = json.loads(text)
+    except ValueError as exc:
+        raise _unreadable(path, f"is not valid JSON ({exc})") from exc
+    if not (isinstance(state, dict) and isinstance(state.get("down", {}), dict)
+            and isinstance(state.get("history", []), list)):
+        raise _unreadable(path, 'is not a fence (expected {"down": {...}, "history": [...]})')
     return {**_empty(), **state}
 
 
 def down_clusters(path: Path | None = None) -> dict[str, dict[str, Any]]:
     """``{cluster: record}`` of the clusters declared down now."""
     return dict(read_fence(path)["down"])
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that after a crash or power loss it holds either the old
+    fence or the new one, never an empty or partial file: the new bytes reach the disk before the
+    rename, and the rename itself before the caller goes on (the folder is synced too)."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 @contextmanager
@@ -95,14 +135,13 @@ def _locked(path: Path) -> Iterator[dict[str, Any]]:
             before = json.dumps(state, sort_keys=True)
             yield state
             if json.dumps(state, sort_keys=True) != before:  # an unchanged fence is not rewritten
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-                os.replace(tmp, path)
+                _write_durably(path, json.dumps(state, indent=1, sort_keys=True))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _estate(estate: Any) -> Any:
+def estate_or_loaded(estate: Any) -> Any:
+    """``estate``, or the one under the settings' config folder when the caller has none."""
     if estate is not None:
         return estate
     from hybridflow.config import load_estate
@@ -148,7 +187,7 @@ def declare_down(cluster: str, reason: str, *, by: str | None = None, estate: An
                  path: Path | None = None, now: datetime | None = None) -> FenceChange:
     """Fence ``cluster``: no new placements there, and takeover while it is a primary. Idempotent:
     a cluster down already keeps its first record (who, when, why) and nothing is written."""
-    check_down(_estate(estate), cluster, reason)
+    check_down(estate_or_loaded(estate), cluster, reason)
     with _locked(path or state_path()) as state:
         standing = state["down"].get(cluster)
         if standing is not None:
@@ -171,20 +210,13 @@ def record_drain(cluster: str, outcome: Mapping[str, Any], *, path: Path | None 
         return True
 
 
-def declare_up(cluster: str, *, by: str | None = None, estate: Any = None, path: Path | None = None,
-               now: datetime | None = None, log: Any = None) -> FenceChange:
-    """Lift the fence of ``cluster`` (failback): placement uses it again. Idempotent: a cluster that
-    is not down changes nothing. Endpoints served on the DR side for it move back only through the
-    deploy gate (:func:`hybridflow.dr.serving_failback.fail_back`, also tried when the cluster is up
-    already); the record's ``serving`` says what moved and what stays, and why."""
-    from hybridflow.dr.serving_failback import fail_back
-
-    estate = _estate(estate)
-    path = path or state_path()
-    if cluster not in estate.clusters and cluster not in down_clusters(path):
-        raise FencingError(f"cluster {cluster!r} is not in clusters.yaml; use one of: {', '.join(sorted(estate.clusters))}")
-    serving = fail_back(cluster, estate, path.parent, log=log) if cluster in estate.clusters else None
-    with _locked(path) as state:
+def lift_fence(cluster: str, serving: dict[str, Any] | None, *, by: str | None = None, path: Path | None = None,
+               now: datetime | None = None) -> FenceChange:
+    """Record ``cluster`` up again, with what its failback did to serving (``serving``; None: the
+    cluster is not in the estate, nothing was tried). Idempotent: a cluster that is not down changes
+    nothing, except that a serving failback retried after the fence was lifted is kept in the history.
+    The failback itself is :func:`hybridflow.dr.fencing.failback.declare_up`'s, which calls this."""
+    with _locked(path or state_path()) as state:
         record = state["down"].pop(cluster, None)
         if record is None:
             if serving is None:
@@ -210,7 +242,7 @@ def serving_stayed(change: FenceChange) -> list[str]:
 def fence_status(estate: Any = None, path: Path | None = None) -> dict[str, Any]:
     """Every cluster's state (down with its record, or up), whether the estate is in takeover, and
     the history of declarations: what ``hybridflow cluster status`` prints."""
-    estate = _estate(estate)
+    estate = estate_or_loaded(estate)
     fence = read_fence(path)
     down = fence["down"]
     clusters = {name: {"role": c.role, "state": "down" if name in down else "up", **({"down": down[name]}

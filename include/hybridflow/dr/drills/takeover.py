@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from hybridflow.dr.drill_report import DrillError
+from hybridflow.dr.drills.report import DrillError
 from hybridflow.storage.objectstore import StoreSpec, open_store
 from hybridflow.training.checkpoint import CheckpointStore
 
@@ -90,7 +90,7 @@ def start_inference(spec: StoreSpec, endpoint: str, scratch: Path, on_started: C
                     start_timeout_s: float = 120) -> tuple[Any, dict[str, Any]]:
     """(the running server, what was measured): serving the replicated model and answering."""
     from hybridflow.bundle import read_card
-    from hybridflow.dr.drill_replicas import fetch_model
+    from hybridflow.dr.drills.replicas import fetch_model
     from hybridflow.serving.server import ServerProcess
 
     model = fetch_model(spec, endpoint, scratch / "models")
@@ -119,7 +119,7 @@ def serves_on_dr_pool(estate, dr) -> bool:
 
 def check_dr_pool(estate, dr) -> None:
     """DrillError naming ``clusters.<dr>.dr.serving`` when the drill must serve there and cannot."""
-    from hybridflow.dr.serving_k8s import dr_pool
+    from hybridflow.dr.failover.serving_k8s import dr_pool
     from hybridflow.errors import ConfigError
     from hybridflow.serving import target_name
 
@@ -132,10 +132,10 @@ def check_dr_pool(estate, dr) -> None:
 
 def start_inference_on_pool(estate, dr, spec: StoreSpec, endpoint: str, scratch: Path) -> dict[str, Any]:
     """What was measured serving the newest replica of ``endpoint`` on the DR cluster's inference pool
-    (:func:`hybridflow.dr.serving_k8s.start_on_dr`): healthy once its check passed, a prediction
+    (:func:`hybridflow.dr.failover.serving_k8s.start_on_dr`): healthy once its check passed, a prediction
     answered at the InferenceService's URL (kind kserve) or every replica ready (kind deployment,
     whose in-cluster Service this machine cannot call)."""
-    from hybridflow.dr.serving_k8s import start_on_dr
+    from hybridflow.dr.failover.serving_k8s import start_on_dr
 
     out = start_on_dr(estate, dr, spec, endpoint, None, scratch, log=log)
     healthy = time.time()  # the check is the last thing start_on_dr does
@@ -215,7 +215,7 @@ def _kubernetes_launch(estate, dr, backend, model, workers: int, window_s: float
 
 def _gone(backend, name: str, timeout_s: float = 60) -> None:
     """Wait until an earlier try's gang job, just deleted, is gone: submitting now would re-attach to it."""
-    from hybridflow.backends.k8s.status import MISSING
+    from hybridflow.backends.base import MISSING
 
     deadline = time.monotonic() + timeout_s
     while backend.status(name).phase != MISSING:
@@ -239,7 +239,7 @@ def start_training(estate, settings, dr, spec: StoreSpec, run_key: str, drill: s
     what an earlier try trained."""
     from hybridflow.backends import gang_backend
     from hybridflow.backends.base import GangJob
-    from hybridflow.dr.drill_replicas import newest_dataset, replicated_checkpoint
+    from hybridflow.dr.drills.replicas import newest_dataset, replicated_checkpoint
 
     checkpoint = replicated_checkpoint(spec, run_key)
     model = _registered_model(estate, run_key, checkpoint)

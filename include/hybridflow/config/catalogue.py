@@ -37,7 +37,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hybridflow.config import _Model
+from hybridflow.config.base import _Model
 from hybridflow.errors import ConfigError
 
 DATASETS_FILE = "datasets.yaml"
@@ -210,7 +210,7 @@ def check_catalogue(path: Path, datasets: Mapping[str, DatasetEntry], known_regi
 
 def parse_catalogue(path: Path, known_regions: Iterable[str] | None) -> Catalogue:
     """Read and check ``datasets.yaml``; ConfigError names the key and the fix."""
-    from hybridflow.config import _validate
+    from hybridflow.config.reading import _validate
 
     if not path.is_file():
         return Catalogue(path=path, datasets={})  # nothing described: every dataset is unknown

@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from hybridflow.catalogue import expand_names
-from hybridflow.config import _Model
+from hybridflow.config.base import _Model
+from hybridflow.config.catalogue import expand_names
 from hybridflow.errors import ConfigError
 
 MODELS_FILE = "models.yaml"
@@ -233,7 +233,7 @@ class ModelsFile(_Model):
 
 
 def parse_registry(path: Path, datasets: Mapping[str, Any], projects: Mapping[str, Any]) -> Registry:
-    from hybridflow.config import _validate
+    from hybridflow.config.reading import _validate
 
     if not path.is_file():
         return Registry(path=path, models={})  # nothing registered: every model is unknown

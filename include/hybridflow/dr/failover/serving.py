@@ -1,7 +1,7 @@
 """Serving failover: a cluster declared down that hosts serving has each endpoint moved to the
 disaster-recovery side. This module does it for the local deploy target (the model gateway's
 endpoints); an inference pool of a Kubernetes target moves to the DR cluster's own pool
-(:mod:`hybridflow.dr.serving_k8s`).
+(:mod:`hybridflow.dr.failover.serving_k8s`).
 
 **Which cluster hosts serving.** On a Kubernetes target (``kubernetes``, ``kserve``) the inference
 pool's ``serving.kubernetes.cluster``. On the local target the model servers behind the gateway stand
@@ -16,11 +16,14 @@ verified against its manifest onto the DR cluster's scratch, started with the pr
 signature. Only then does ``active.json`` get a ``takeover`` entry (``version``, ``url``, ``pid``,
 ``cluster``, ...), which the gateway routes every request to, ahead of the stable version and any
 canary. With no replica, the outcome says so and routing is left as it is. An endpoint whose takeover
-server answers already starts nothing.
+server answers already starts nothing. Any other error moving an endpoint is that endpoint's outcome
+(``state`` ``failed``); the others are moved all the same (:func:`move_each`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ from hybridflow.serving.processes import now, read_json, write_json
 from hybridflow.serving.router import TAKEOVER  # the active.json entry; also the DR server's folder
 
 SERVER_MODULE = "hybridflow.serving.server"
+
+log = logging.getLogger(__name__)
 
 
 class NoReplica(Exception):
@@ -62,7 +67,7 @@ def endpoints_served(root: Path) -> list[str]:
 def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> tuple[dict[str, Any], Path, str]:
     """(the replica's manifest, the bundle fetched and verified into ``dest``, which version and why):
     ``version`` when it is replicated, else the newest replicated one."""
-    from hybridflow.dr.drill_replicas import fetch_bundle, model_manifests
+    from hybridflow.dr.drills.replicas import fetch_bundle, model_manifests
     from hybridflow.storage.objectstore import open_store
 
     store = open_store(spec)
@@ -87,6 +92,21 @@ def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> 
     return body, bundle, source
 
 
+def move_each(endpoints: Iterable[str], move: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{endpoint: move(endpoint)}``, each endpoint on its own: an error moving one (a corrupt DR
+    manifest, a store error, a full disk) becomes its outcome, ``state`` ``failed`` with the error,
+    and the others are still moved. The drain then fails naming it (a rerun moves it)."""
+    moved: dict[str, dict[str, Any]] = {}
+    for endpoint in endpoints:
+        try:
+            moved[endpoint] = move(endpoint)
+        except Exception as exc:  # noqa: BLE001 - one endpoint's failure must not keep the others on the primary
+            log.exception("serving failover of %s failed", endpoint)
+            moved[endpoint] = {"state": "failed", "error": f"{type(exc).__name__}: {exc}",
+                               "reason": "the failover failed; serving left as it was until the drain is run again"}
+    return moved
+
+
 def ready_file(edir: Path, version: str) -> Path:
     return edir / TAKEOVER / f"{version}.ready"
 
@@ -94,7 +114,7 @@ def ready_file(edir: Path, version: str) -> Path:
 def start_server(edir: Path, endpoint: str, version: str, bundle: Path, settings: Any) -> dict[str, Any]:
     """The DR-side model server of ``bundle``, detached, ready, healthy and answering one prediction."""
     from hybridflow.bundle import read_card
-    from hybridflow.dr.drill_takeover import probe_instance
+    from hybridflow.dr.drills.takeover import probe_instance
     from hybridflow.serving.checks import StepFailed, predict, url_of, wait_healthy, wait_ready
     from hybridflow.serving.deploy import START_TIMEOUT_S, server_command
     from hybridflow.serving.processes import log_size, spawn, stop_child
@@ -158,14 +178,14 @@ def _take_over(edir: Path, dr: Any, spec: Any, scratch: Path, settings: Any) -> 
 def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = None) -> dict[str, Any]:
     """Drain the serving entry of ``cluster_name`` to the DR side (see the module doc); the outcome
     kept with the fence as its drain's ``serving``."""
-    from hybridflow.dr.fencing_drain import serving_on
+    from hybridflow.dr.fencing.drain import serving_on
     from hybridflow.serving import target_name
 
     serving = estate.pipeline.serving
     if target_name(serving) != "local":
         if serving.kubernetes is None:
             return serving_on(cluster_name, estate)
-        from hybridflow.dr.serving_k8s import fail_over_pool
+        from hybridflow.dr.failover.serving_k8s import fail_over_pool
 
         return fail_over_pool(cluster_name, estate, state_dir, dr_spec=dr_spec)
     where, why = serving_cluster(estate)
@@ -183,14 +203,14 @@ def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = 
     except Exception as exc:  # noqa: BLE001 - the fence stands; the record says why serving did not move
         return {"entry": entry, "drained": False, "rule": why, "endpoints": {},
                 "note": f"serving left as it was: the DR store cannot be opened ({type(exc).__name__}: {exc})"}
-    moved = {e: _take_over(root / e, dr, spec, scratch, serving) for e in endpoints}
+    moved = move_each(endpoints, lambda e: _take_over(root / e, dr, spec, scratch, serving))
     return {"entry": entry, "drained": all(m["state"] == "on dr" for m in moved.values()), "rule": why,
             "dr_cluster": dr.name, "endpoints": moved}
 
 
 def dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:
     """(the DR cluster, its store, where replicas are fetched to: its scratch's ``serving`` folder)."""
-    from hybridflow.dr.scope import dr_cluster
+    from hybridflow.dr.replication.scope import dr_cluster
     from hybridflow.placement.places import cache_store_spec, scratch_root
     from hybridflow.settings import Settings
 

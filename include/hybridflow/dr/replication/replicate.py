@@ -8,7 +8,7 @@ One pass copies, into the DR cluster's store (its ``cache`` bucket in clusters.y
   the local model gateway or, on the Kubernetes serving target, its models volume;
 - the newest committed checkpoint that verifies of each running critical run.
 
-Each set follows :mod:`hybridflow.dr.replicas` (checked at the source, add-only, verified, manifest
+Each set follows :mod:`hybridflow.dr.replication.replicas` (checked at the source, add-only, verified, manifest
 last, incremental). Nothing is ever deleted on the DR side, so every version once replicated stays
 there; ``keep`` (at least 3) is how many of each line a pass brings over.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.replicas import Problem, ReplicaSet, SetOutcome, logger, replicate_set
-from hybridflow.dr.scope import CriticalRun, Scope, dr_cluster, scope_of
+from hybridflow.dr.replication.replicas import Problem, ReplicaSet, SetOutcome, logger, replicate_set
+from hybridflow.dr.replication.scope import CriticalRun, Scope, dr_cluster, scope_of
 from hybridflow.storage.objectstore import ObjectStore
 
 MIN_KEEP = 3
@@ -56,7 +56,7 @@ class ReplicationReport:
 
 def _dataset_sets(estate, settings, dr, scope: Scope, keep: int, problems: list[Problem]) -> list[ReplicaSet]:
     from hybridflow.datasets import locate
-    from hybridflow.dr.sources import dataset_set, pinned_versions
+    from hybridflow.dr.replication.sources import dataset_set, pinned_versions
     from hybridflow.errors import HybridFlowError
     from hybridflow.rundata import read_version
     from hybridflow.sovereignty import Destination, check_sovereignty
@@ -102,14 +102,14 @@ def _lazy(make):
 
 def _model_sets(scope: Scope, keep: int) -> list[ReplicaSet]:
     """The newest ``keep`` versions of each endpoint, the one serving now among them whatever its age."""
-    from hybridflow.dr.sources import model_set
+    from hybridflow.dr.replication.sources import model_set
 
     return [model_set(e, r) for e in scope.endpoints for r in scope.versions.get(e, [])[:keep]]
 
 
 def _checkpoint_sets(estate, settings, scope: Scope, problems: list[Problem]) -> list[ReplicaSet]:
     from hybridflow.backends import gang_backend
-    from hybridflow.dr.sources import checkpoint_set
+    from hybridflow.dr.replication.sources import checkpoint_set
     from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
     from hybridflow.storage.objectstore import open_store
 
@@ -142,11 +142,11 @@ def replicate(
     """One replication pass into the DR cluster ``cluster`` (default: the estate's only one).
 
     ``store`` replaces the cluster's store (tests); bad input raises
-    :class:`~hybridflow.dr.scope.ReplicationError` before anything is read or written."""
+    :class:`~hybridflow.dr.replication.scope.ReplicationError` before anything is read or written."""
     started = time.monotonic()
     keep = max(MIN_KEEP, estate.pipeline.staging.keep_versions) if keep is None else keep
     if keep < MIN_KEEP:
-        from hybridflow.dr.scope import ReplicationError
+        from hybridflow.dr.replication.scope import ReplicationError
 
         raise ReplicationError("keep", f"{keep}: the DR side keeps at least {MIN_KEEP} versions of each line; use "
                                        f"keep >= {MIN_KEEP}")
@@ -173,7 +173,7 @@ def replicate(
 
 
 def healthy_sources(estate, settings, **kwargs) -> dict[str, Any]:
-    """DR key -> :class:`~hybridflow.dr.replicas.Wanted` of every object the current scope can be
+    """DR key -> :class:`~hybridflow.dr.replication.replicas.Wanted` of every object the current scope can be
     read from (what reconciliation repairs from); no store is opened, nothing is written."""
     problems: list[Problem] = []
     dr = dr_cluster(estate, kwargs.pop("cluster", None))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.dr.replicas import logger
+from hybridflow.dr.replication.replicas import logger
 from hybridflow.errors import HybridFlowError
 
 NO_DR = "no cluster in clusters.yaml has role: dr; nothing to replicate or reconcile (docs/disaster-recovery.md)"
@@ -36,14 +36,14 @@ def _fail_with(lines: list[str], what: str) -> None:
 
 
 def configured_scope(cluster, settings, log: Any = logger, estate=None) -> tuple[list[str] | None, list[str] | None]:
-    """(endpoints, datasets) of the cluster's ``dr.replicate`` for :func:`~hybridflow.dr.replication.replicate`:
+    """(endpoints, datasets) of the cluster's ``dr.replicate`` for :func:`~hybridflow.dr.replication.replicate.replicate`:
     None where the list is empty (everything served, each endpoint's dataset). A configured endpoint
     not served yet has nothing to copy: it is logged and left out, not an error. ``estate`` picks
     where served endpoints are found (its deploy target; without it, the local model gateway)."""
     from pathlib import Path
 
-    from hybridflow.dr.scope import served_endpoints
-    from hybridflow.dr.sources import served_endpoint_names
+    from hybridflow.dr.replication.scope import served_endpoints
+    from hybridflow.dr.replication.sources import served_endpoint_names
 
     wanted = cluster.dr.replicate if cluster.dr is not None else None
     if wanted is None:
@@ -62,9 +62,9 @@ def configured_scope(cluster, settings, log: Any = logger, estate=None) -> tuple
 
 def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
     """Replicate to every DR cluster and check what each needs for a takeover."""
-    from hybridflow.dr.readiness import check_readiness
-    from hybridflow.dr.replication import replicate
-    from hybridflow.dr.scope import dr_clusters
+    from hybridflow.dr.replication.readiness import check_readiness
+    from hybridflow.dr.replication.replicate import replicate
+    from hybridflow.dr.replication.scope import dr_clusters
 
     estate, settings = _estate()
     clusters = dr_clusters(estate)
@@ -90,9 +90,9 @@ def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
 
 def reconciliation_task(*, log: Any = logger) -> dict[str, Any]:
     """Reconcile every DR cluster's store with its manifests, repairing from healthy sources."""
-    from hybridflow.dr.reconcile import reconcile
-    from hybridflow.dr.replication import healthy_sources
-    from hybridflow.dr.scope import dr_cluster, dr_clusters
+    from hybridflow.dr.replication.reconcile import reconcile
+    from hybridflow.dr.replication.replicate import healthy_sources
+    from hybridflow.dr.replication.scope import dr_cluster, dr_clusters
     from hybridflow.placement.places import cache_store_spec
     from hybridflow.storage.objectstore import open_store
 

@@ -1,6 +1,6 @@
 """What a drill's takeover reads, and only from the DR store (never from the primary): the newest
 replicated model version of an endpoint, the newest replicated checkpoint of a run, and the newest
-replicated dataset version (:mod:`hybridflow.dr.layout`). Everything read is checked against its
+replicated dataset version (:mod:`hybridflow.dr.replication.layout`). Everything read is checked against its
 DR manifest first; a replicated set that does not verify is refused, naming the key.
 """
 
@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.drill_report import DrillError
-from hybridflow.dr.layout import MODEL_MANIFEST, checkpoint_prefix
-from hybridflow.dr.replicas import sha256_of
+from hybridflow.dr.drills.report import DrillError
+from hybridflow.dr.replication.layout import MODEL_MANIFEST, checkpoint_prefix
+from hybridflow.dr.replication.replicas import sha256_of
 from hybridflow.storage.objectstore import StoreSpec, open_store
 from hybridflow.training.checkpoint import CheckpointStore
 

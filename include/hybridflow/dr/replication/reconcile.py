@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.dr.layout import MANIFEST_PREFIXES, Expected, expected_objects, kind_of, name_of
-from hybridflow.dr.replicas import (
+from hybridflow.dr.replication.layout import MANIFEST_PREFIXES, Expected, expected_objects, kind_of, name_of
+from hybridflow.dr.replication.replicas import (
     Problem,
     Wanted,
     logger,
@@ -80,7 +80,7 @@ def _repair(store: ObjectStore, e: Expected, source: Wanted | None) -> str | Non
 
 def reconcile(store: ObjectStore, sources: Mapping[str, Wanted] | None = None, *, log: Any = logger) -> ReconcileReport:
     """Check every replicated object in ``store`` against its manifest and repair drift from
-    ``sources`` (DR key -> where to read it; see :func:`hybridflow.dr.replication.healthy_sources`)."""
+    ``sources`` (DR key -> where to read it; see :func:`hybridflow.dr.replication.replicate.healthy_sources`)."""
     started = time.monotonic()
     sources = sources or {}
     report = ReconcileReport(store=store.uri)

@@ -1,4 +1,4 @@
-"""The ``dr_drill`` DAG's task units (:mod:`hybridflow.dr.drill`): its trigger form's Params, and
+"""The ``dr_drill`` DAG's task units (:mod:`hybridflow.dr.drills.drill`): its trigger form's Params, and
 one function per step. Every step reads the same drill id (the DAG run's), so a step cleared and
 run again carries on the same drill.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hybridflow.dr.drill_report import DEFAULT_INFERENCE_RTO_S, DEFAULT_TRAINING_RTO_S
+from hybridflow.dr.drills.report import DEFAULT_INFERENCE_RTO_S, DEFAULT_TRAINING_RTO_S
 
 DRILL_PARAMS: dict[str, dict[str, Any]] = {
     "primary": {
@@ -67,8 +67,8 @@ def _plan(params: Mapping[str, Any], run_id: str):
     from airflow.sdk.exceptions import AirflowFailException
 
     from hybridflow.config import load_estate
-    from hybridflow.dr.drill import make_plan
-    from hybridflow.dr.drill_report import DrillError, drill_id
+    from hybridflow.dr.drills.drill import make_plan
+    from hybridflow.dr.drills.report import DrillError, drill_id
     from hybridflow.settings import get_settings
 
     settings = get_settings()
@@ -82,7 +82,7 @@ def _plan(params: Mapping[str, Any], run_id: str):
 def _step(fn: Callable[..., dict], params: Mapping[str, Any], run_id: str, **kwargs: Any) -> dict[str, Any]:
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.drill_report import DrillError, DrillMissed
+    from hybridflow.dr.drills.report import DrillError, DrillMissed
 
     plan, estate, settings = _plan(params, run_id)
     try:
@@ -92,13 +92,13 @@ def _step(fn: Callable[..., dict], params: Mapping[str, Any], run_id: str, **kwa
 
 
 def declare_task(params: Mapping[str, Any], run_id: str, by: str | None = None) -> dict[str, Any]:
-    from hybridflow.dr.drill import declare
+    from hybridflow.dr.drills.drill import declare
 
     return _step(declare, params, run_id, by=by)
 
 
 def take_over_task(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-    from hybridflow.dr.drill import take_over
+    from hybridflow.dr.drills.drill import take_over
 
     report = _step(take_over, params, run_id)
     if report.get("status") == "failed":
@@ -107,12 +107,12 @@ def take_over_task(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
 
 
 def fail_back_task(params: Mapping[str, Any], run_id: str, by: str | None = None) -> dict[str, Any]:
-    from hybridflow.dr.drill import fail_back
+    from hybridflow.dr.drills.drill import fail_back
 
     return _step(fail_back, params, run_id, by=by)
 
 
 def judge_task(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-    from hybridflow.dr.drill import finish
+    from hybridflow.dr.drills.drill import finish
 
     return _step(finish, params, run_id)

@@ -1,6 +1,6 @@
 """Serving failback of the local deploy target (a Kubernetes target's pool:
-:mod:`hybridflow.dr.serving_k8s_failback`): an endpoint served on the disaster-recovery side
-(:mod:`hybridflow.dr.serving_failover`) goes back to the primary's serving version only through the
+:mod:`hybridflow.dr.failover.serving_k8s_failback`): an endpoint served on the disaster-recovery side
+(:mod:`hybridflow.dr.failover.serving`) goes back to the primary's serving version only through the
 deploy gate.
 
 For each endpoint whose ``active.json`` has a ``takeover`` entry: the primary's version (the stable
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.serving_failover import TAKEOVER, serving_cluster, stop_server, takeovers
+from hybridflow.dr.failover.serving import TAKEOVER, serving_cluster, stop_server, takeovers
 from hybridflow.serving.processes import Log, now, read_json, write_json
 
 
 def _rows(entry: dict[str, Any]) -> list[list[Any]]:
     from hybridflow.bundle import read_card
-    from hybridflow.dr.drill_takeover import probe_instance
+    from hybridflow.dr.drills.takeover import probe_instance
 
     return [probe_instance(read_card(Path(entry["bundle"])).signature)]
 
@@ -75,11 +75,11 @@ def _fail_back_endpoint(edir: Path, serving: Any, log: Log) -> dict[str, Any]:
 def fail_back(cluster_name: str, estate: Any, state_dir: Any, *, log: Log = None) -> dict[str, Any] | None:
     """Move every endpoint served on the DR side for ``cluster_name`` back through the gate; None
     when nothing serves there for it. ``moved_back`` False: at least one endpoint stays on DR. An
-    inference pool of a Kubernetes target: :mod:`hybridflow.dr.serving_k8s_failback`."""
+    inference pool of a Kubernetes target: :mod:`hybridflow.dr.failover.serving_k8s_failback`."""
     from hybridflow.serving import target_name
 
     if target_name(estate.pipeline.serving) != "local" and estate.pipeline.serving.kubernetes is not None:
-        from hybridflow.dr.serving_k8s_failback import fail_back_pool
+        from hybridflow.dr.failover.serving_k8s_failback import fail_back_pool
 
         return fail_back_pool(cluster_name, estate, state_dir, log=log)
     where, _ = serving_cluster(estate)

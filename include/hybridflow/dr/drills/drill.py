@@ -1,22 +1,23 @@
 """A disaster-recovery drill: a minimum-scale takeover end to end, measured, then failback.
 
 Four steps, each safe to clear and run again (the report in private storage carries what the
-earlier ones did, :mod:`hybridflow.dr.drill_report`):
+earlier ones did, :mod:`hybridflow.dr.drills.report`):
 
 1. :func:`declare` — the primary's newest committed checkpoint step is noted (the recovery point to
    measure against), then the primary is declared down through the fence
-   (:func:`hybridflow.dr.fencing_drain.fence_and_drain`): no new placements there and its gangs
+   (:func:`hybridflow.dr.fencing.drain.fence_and_drain`): no new placements there and its gangs
    checkpointed and stopped before anything starts on the DR side, so two sides never write at
    once. A primary already down for another reason (a real outage) is refused: a drill must not
    fail it back.
 2. :func:`take_over` — on the DR cluster, from the DR store only: the critical endpoint served from
    the replicated model and answering, and the critical run resumed from its replicated checkpoint
-   and stepping (:mod:`hybridflow.dr.drill_takeover`); both are then stopped.
+   and stepping (:mod:`hybridflow.dr.drills.takeover`); both are then stopped.
 3. :func:`fail_back` — nothing of the drill left running on the DR side (its server, its endpoint on
    the DR inference pool and its gang stopped, found by what the report recorded and by the gang's
-   name), and the primary declared up if the drill declared it down.
+   name), and the primary declared up whenever the fence is the drill's, also after a declaration
+   that failed half way (its drain raised), with serving moved back by the failback's gate.
 4. :func:`finish` — RTO and RPO against the targets, kept in the report and the ledger
-   (:mod:`hybridflow.dr.drill_ledger`); a miss fails, naming the step.
+   (:mod:`hybridflow.dr.drills.ledger`); a miss fails, naming the step.
 
 A DR cluster with ``backend: kubernetes``: the resumed run is a gang job on that cluster (its
 training node pool, the queue of the team of the model's project), its pods reading the data and
@@ -24,7 +25,7 @@ writing checkpoints in the DR store; its name derives from the drill, so fail_ba
 after a task restart. Where the endpoint is served depends on ``serving.target``:
 
 - ``kubernetes`` or ``kserve``: on the DR cluster's inference pool (``clusters.<dr>.dr.serving``,
-  :func:`hybridflow.dr.serving_k8s.start_on_dr`), healthy once its check passed (a prediction at the
+  :func:`hybridflow.dr.failover.serving_k8s.start_on_dr`), healthy once its check passed (a prediction at the
   InferenceService's URL; for kind deployment every replica ready, its Service being in-cluster);
   the drill removes what it started there. An endpoint the declaration's serving failover moved to
   that pool already is measured as it stands and moved back by declare_up's failback;
@@ -44,8 +45,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from hybridflow.dr.drill_report import DrillError, DrillMissed, Targets, judge, read_report, update_report
-from hybridflow.dr.replicas import logger
+from hybridflow.dr.drills.report import DrillError, DrillMissed, Targets, judge, read_report, update_report
+from hybridflow.dr.replication.replicas import logger
 
 REASON_PREFIX = "dr drill"
 
@@ -71,8 +72,8 @@ class Plan:
 
 def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = None) -> Plan:
     """The drill ``params`` ask for; DrillError naming the Param when they cannot be right."""
-    from hybridflow.dr.fencing import FencingError, check_down
-    from hybridflow.dr.scope import ReplicationError, dr_cluster
+    from hybridflow.dr.replication.scope import ReplicationError, dr_cluster
+    from hybridflow.fencing import FencingError, check_down
 
     try:
         dr = dr_cluster(estate, params.get("dr_cluster") or None)
@@ -87,7 +88,7 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
         raise DrillError("primary", f"{primary} has role {estate.clusters[primary].role}: a drill takes over from a "
                                     f"primary; name one with role primary ({', '.join(_primaries(estate)) or 'none'})")
     if dr_spec is None:
-        from hybridflow.dr.readiness import check_readiness
+        from hybridflow.dr.replication.readiness import check_readiness
         from hybridflow.placement.places import cache_store_spec
 
         missing = check_readiness(dr, estate)
@@ -98,7 +99,7 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
     if workers < 1 or workers > dr.total_gpus:
         raise DrillError("workers", f"{workers}: the DR cluster {dr.name} has {dr.total_gpus} GPUs; use 1..{dr.total_gpus}")
     if dr.backend == "kubernetes":
-        from hybridflow.dr.drill_takeover import check_dr_pool, serves_on_dr_pool, training_pool
+        from hybridflow.dr.drills.takeover import check_dr_pool, serves_on_dr_pool, training_pool
 
         training_pool(dr, workers)  # a gang runs on one node pool: one must hold it
         if serves_on_dr_pool(estate, dr):
@@ -152,37 +153,52 @@ def _interval(primary_steps: list[int], plan: Plan) -> int:
 
 def declare(plan: Plan, estate, settings, *, by: str | None = None) -> dict[str, Any]:
     """Step 1: note the recovery point, then fence the primary (see the module doc)."""
-    from hybridflow.dr.drill_replicas import choose_run
-    from hybridflow.dr.fencing import down_clusters, state_path
-    from hybridflow.dr.fencing_drain import fence_and_drain
+    from hybridflow.dr.drills.replicas import choose_run
+    from hybridflow.dr.fencing.drain import fence_and_drain
+    from hybridflow.fencing import down_clusters, state_path
     from hybridflow.storage.objectstore import open_store
 
     report = read_report(settings.private_root, plan.drill)
     standing = down_clusters(state_path(settings.state_dir)).get(plan.primary)
-    if standing is not None and not str(standing.get("reason", "")).startswith(plan.reason):
+    if standing is not None and not _fenced_by(plan, standing):
         raise DrillError("primary", f"{plan.primary} is declared down already ({standing.get('reason')}, by "
                                     f"{standing.get('by')}): a drill would fail it back; drill when it is up")
     if standing is not None and report.get("declared_ts"):
         return report  # this step ran already: the first declaration is the one measured
-    run_key = choose_run(open_store(plan.dr_spec), plan.run_key)
-    steps, note = _primary_steps(estate, settings, plan.primary, run_key)
-    primary_step = max(steps) if steps else None
-    out = fence_and_drain(plan.primary, plan.reason, by=by or "dr_drill", estate=estate, state_dir=settings.state_dir)
+    if "primary_step" not in report:  # noted once, before the fence stops the primary's gangs
+        run_key = choose_run(open_store(plan.dr_spec), plan.run_key)
+        steps, note = _primary_steps(estate, settings, plan.primary, run_key)
+        report = update_report(
+            settings.private_root, plan.drill, primary=plan.primary, dr_cluster=plan.dr.name, run_key=run_key,
+            primary_step=max(steps) if steps else None, primary_note=note, targets=plan.targets.to_dict(),
+            checkpoint_interval_steps=_interval(steps, plan), status="declaring")
+    # The report exists before the fence is written: a declaration that fails half way (its drain
+    # raised) is still failed back by fail_back, which lifts any fence carrying this drill's reason.
+    try:
+        out = fence_and_drain(plan.primary, plan.reason, by=by or "dr_drill", estate=estate,
+                              state_dir=settings.state_dir, dr_spec=plan.dr_spec)
+    except Exception as exc:
+        update_report(settings.private_root, plan.drill, status="declare failed",
+                      declare_error=f"{type(exc).__name__}: {exc}")
+        raise
     declared = time.time()
     logger.info("drill %s: %s declared down at %s; the primary's newest checkpoint of %s is step %s", plan.drill,
-                plan.primary, out["record"].get("declared_at"), run_key, primary_step)
+                plan.primary, out["record"].get("declared_at"), report["run_key"], report["primary_step"])
     return update_report(
-        settings.private_root, plan.drill, primary=plan.primary, dr_cluster=plan.dr.name, run_key=run_key,
-        declared_ts=declared, declared_at=datetime.fromtimestamp(declared, UTC).isoformat(timespec="seconds"),
-        declared_by_drill=True, primary_step=primary_step, primary_note=note, targets=plan.targets.to_dict(),
-        checkpoint_interval_steps=_interval(steps, plan),
-        fence=out["record"], status="declared")
+        settings.private_root, plan.drill, declared_ts=declared,
+        declared_at=datetime.fromtimestamp(declared, UTC).isoformat(timespec="seconds"), declared_by_drill=True,
+        fence=out["record"], status="declared", declare_error=None)
+
+
+def _fenced_by(plan: Plan, record: Mapping[str, Any]) -> bool:
+    """Whether the fence ``record`` is this drill's (its reason names the drill)."""
+    return str(record.get("reason", "")).startswith(plan.reason)
 
 
 def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     """Step 2: serve and train on the DR cluster from the DR store, check both, stop both."""
-    from hybridflow.dr.drill_replicas import choose_endpoint, newest_dataset
-    from hybridflow.dr.drill_takeover import start_training, wait_stepping
+    from hybridflow.dr.drills.replicas import choose_endpoint, newest_dataset
+    from hybridflow.dr.drills.takeover import start_training, wait_stepping
     from hybridflow.placement.places import scratch_root
     from hybridflow.storage.objectstore import open_store
 
@@ -239,7 +255,7 @@ def _serve(plan: Plan, estate, settings, endpoint: str, scratch) -> tuple[Any, s
     stop or None, what was measured). On the DR pool the endpoint is noted in the report before it
     starts, so fail_back stops it after a task death; one the serving failover of the declaration
     serves already is measured as it stands and left to the failback of declare_up."""
-    from hybridflow.dr.drill_takeover import serves_on_dr_pool, start_inference, start_inference_on_pool
+    from hybridflow.dr.drills.takeover import serves_on_dr_pool, start_inference, start_inference_on_pool
 
     if not serves_on_dr_pool(estate, plan.dr):
         server, measured = start_inference(plan.dr_spec, endpoint, scratch,
@@ -253,7 +269,7 @@ def _serve(plan: Plan, estate, settings, endpoint: str, scratch) -> tuple[Any, s
 
 
 def _failover_serves(settings, endpoint: str) -> bool:
-    from hybridflow.dr.serving_k8s import record_path
+    from hybridflow.dr.failover.serving_k8s import record_path
 
     return record_path(settings.state_dir, endpoint).is_file()
 
@@ -261,7 +277,7 @@ def _failover_serves(settings, endpoint: str) -> bool:
 def _stop_on_pool(plan: Plan, estate, endpoint: str) -> bool | str:
     """Remove the drill's endpoint from the DR pool: whether it was there, or why it could not be
     (fail_back tries again)."""
-    from hybridflow.dr.serving_k8s import stop_on_dr
+    from hybridflow.dr.failover.serving_k8s import stop_on_dr
 
     try:
         return stop_on_dr(estate, plan.dr, endpoint)
@@ -294,8 +310,9 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
     """Step 3: nothing of the drill running on the DR side, and the primary up (if the drill put
     it down). Safe to run any number of times, also after a failed take_over."""
     from hybridflow.backends import gang_backend
-    from hybridflow.dr.drill_takeover import gang_name
-    from hybridflow.dr.fencing import declare_up, state_path
+    from hybridflow.dr.drills.takeover import gang_name
+    from hybridflow.dr.fencing.failback import declare_up
+    from hybridflow.fencing import down_clusters, serving_stayed, state_path
 
     report = read_report(settings.private_root, plan.drill)
     backend = gang_backend(plan.dr, estate, settings.state_dir)
@@ -311,9 +328,11 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
     stopped_pool = None  # the endpoint the drill served on the DR pool (a failover's stays: declare_up moves it)
     if serving.get("endpoint") and not _failover_serves(settings, serving["endpoint"]):
         stopped_pool = _stop_on_pool(plan, estate, serving["endpoint"])
-    up = None
-    if report.get("declared_by_drill"):
-        up = declare_up(plan.primary, by=by or "dr_drill", estate=estate, path=state_path(settings.state_dir)).to_dict()
+    up = stayed = None
+    standing = down_clusters(state_path(settings.state_dir)).get(plan.primary)
+    if report.get("declared_by_drill") or (standing is not None and _fenced_by(plan, standing)):
+        change = declare_up(plan.primary, by=by or "dr_drill", estate=estate, path=state_path(settings.state_dir))
+        up, stayed = change.to_dict(), serving_stayed(change)
     failback = {"primary_up": up, "stopped_gang": stopped_gang, "stopped_server": stopped_server,
                 "stopped_dr_serving": stopped_pool, "dr_still_running": still}
     # A drill that never declared the primary down keeps no report (nothing was measured).
@@ -324,6 +343,9 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
     if isinstance(stopped_pool, str):
         raise DrillError("fail_back", f"{serving['endpoint']} could not be removed from the inference pool of "
                                       f"{plan.dr.name} ({stopped_pool}); clear fail_back to try again")
+    if stayed:  # the declaration's serving failover is not undone until the primary passes the gate
+        raise DrillError("fail_back", f"{plan.primary} is up, but serving stays on {plan.dr.name}: "
+                                      f"{'; '.join(stayed)}; clear fail_back to retry the serving failback")
     return out
 
 
@@ -332,15 +354,16 @@ def finish(plan: Plan, estate, settings) -> dict[str, Any]:
     A drill that never declared the primary down measured nothing and keeps no report."""
     report = read_report(settings.private_root, plan.drill)
     if not report.get("declared_ts"):
-        raise DrillError("declare_down", f"drill {plan.drill} did not declare {plan.primary} down, so nothing was "
-                                         "measured; see the declare_down task's log")
+        why = f" ({report['declare_error']})" if report.get("declare_error") else ""
+        raise DrillError("declare_down", f"drill {plan.drill} did not declare {plan.primary} down{why}, so nothing "
+                                         "was measured; see the declare_down task's log")
     figures, missed = judge(report)
     if report.get("error"):
         missed.insert(0, f"take_over failed: {report['error']}")
     verdict = "met" if not missed else "missed"
     report = update_report(settings.private_root, plan.drill, figures=figures, missed=missed, verdict=verdict,
                            status="done")
-    from hybridflow.dr.drill_ledger import record_drill
+    from hybridflow.dr.drills.ledger import record_drill
 
     record_drill(report)  # into the ledger too, replacing this drill's row
     if missed:

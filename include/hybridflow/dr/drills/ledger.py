@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, insert, select
 
-from hybridflow.dr.drill_report import Targets
+from hybridflow.dr.drills.report import Targets
 from hybridflow.ledger.models import DrillRow
 
 _DRILLS = DrillRow.__table__

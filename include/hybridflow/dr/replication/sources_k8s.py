@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.replicas import Problem
+from hybridflow.dr.replication.replicas import Problem
 
 API_TIMEOUT_S = 30.0  # every read of the primary's API server is bounded
 

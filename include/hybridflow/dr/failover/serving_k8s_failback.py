@@ -1,5 +1,5 @@
 """Serving failback of a Kubernetes deploy target: an endpoint served by the DR cluster's pool
-(:mod:`hybridflow.dr.serving_k8s`) goes back to the primary's inference pool only through the deploy gate.
+(:mod:`hybridflow.dr.failover.serving_k8s`) goes back to the primary's inference pool only through the deploy gate.
 
 For each endpoint with a takeover record (``state/serving/<endpoint>/takeover-k8s.json``):
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.serving_k8s import clear_record, pool_takeovers, probe_rows, stop_on_dr
+from hybridflow.dr.failover.serving_k8s import clear_record, pool_takeovers, probe_rows, stop_on_dr
 from hybridflow.serving.processes import Log, now
 
 

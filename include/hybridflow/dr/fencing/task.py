@@ -1,5 +1,5 @@
 """The ``cluster_fence`` DAG's task unit: its trigger form does what ``hybridflow cluster down`` and
-``hybridflow cluster up`` do (:mod:`hybridflow.dr.fencing_drain`, :mod:`hybridflow.dr.fencing`).
+``hybridflow cluster up`` do (:mod:`hybridflow.dr.fencing.drain`, :mod:`hybridflow.fencing`).
 
 Kept free of Airflow and heavy imports at module level: the DAG file reads :data:`FENCE_PARAMS`
 while it is parsed.
@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+# Who may trigger the DR DAGs (cluster_fence, dr_drill): the Airflow role granted them through the DAGs'
+# access_control (the FAB auth manager syncs it into per-DAG permissions). docs/dr-fencing.md#who-may-declare
+DR_OPERATOR_ROLE = "DR operator"
+DR_ACCESS_CONTROL: dict[str, dict[str, set[str]]] = {
+    DR_OPERATOR_ROLE: {"DAGs": {"can_read", "can_edit"}, "DAG Runs": {"can_read", "can_create"}},
+}
+# The longest reason a declaration keeps (the fence file, its history, the Clusters & DR page).
+REASON_MAX_CHARS = 500
 
 FENCE_PARAMS: dict[str, dict[str, Any]] = {
     "action": {
@@ -30,8 +39,10 @@ FENCE_PARAMS: dict[str, dict[str, Any]] = {
     "reason": {
         "default": None,
         "type": ["null", "string"],
+        "maxLength": REASON_MAX_CHARS,
         "title": "Reason",
-        "description": "down: why the cluster is declared down (kept with the fence), e.g. power loss in dc-1.",
+        "description": "down: why the cluster is declared down (kept with the fence), e.g. power loss in dc-1; "
+        f"at most {REASON_MAX_CHARS} characters.",
     },
 }
 
@@ -41,17 +52,22 @@ def fence_task(params: Mapping[str, Any], by: str | None = None) -> dict[str, An
     fails the task without a retry, naming the Param, and changes nothing."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from hybridflow.dr.fencing import FencingError, declare_up, serving_stayed
-    from hybridflow.dr.fencing_drain import fence_and_drain
+    from hybridflow.dr.fencing.drain import fence_and_drain
+    from hybridflow.dr.fencing.failback import declare_up
+    from hybridflow.fencing import FencingError, serving_stayed
 
     action, cluster = params.get("action"), params.get("cluster")
     if action not in ("down", "up"):
         raise AirflowFailException(f"action: {action!r} is neither 'down' nor 'up'")
     if not cluster:
         raise AirflowFailException("cluster: empty; name a cluster of config/clusters.yaml, e.g. onprem-a")
+    reason = params.get("reason") or ""
+    if len(reason) > REASON_MAX_CHARS:
+        raise AirflowFailException(f"reason: {len(reason)} characters, over the limit of {REASON_MAX_CHARS}; "
+                                   "say why in fewer words and keep the details in the incident record")
     try:
         if action == "down":
-            return fence_and_drain(cluster, params.get("reason") or "", by=by)
+            return fence_and_drain(cluster, reason, by=by)
         change = declare_up(cluster, by=by)
     except FencingError as exc:
         raise AirflowFailException(f"cluster {action}: {exc}") from exc

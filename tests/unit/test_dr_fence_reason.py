@@ -1,0 +1,68 @@
+"""The reason a cluster is declared down with is capped on the server: the cluster_fence task
+refuses a longer one, naming the Param and the limit, before it fences or drains anything."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.fencing import down_clusters
+from hybridflow.settings import REPO_ROOT
+
+
+def _config(tmp_path: Path) -> Path:
+    target = tmp_path / "config"
+    shutil.copytree(REPO_ROOT / "config", target)
+    doc = yaml.safe_load((target / "clusters.yaml").read_text())
+    doc["clusters"]["dr-west"] = {
+        "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
+        "dr": {"min_gpus": 2, "peacetime": ["batch"]},
+        "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4}],
+        "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
+    }
+    (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return target
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("HYBRIDFLOW_CONFIG_DIR", str(_config(tmp_path)))
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_a_reason_over_the_cap_is_refused_before_anything_is_fenced(home: Path):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from hybridflow.dr.fencing.task import fence_task
+
+    with pytest.raises(AirflowFailException) as refused:
+        fence_task({"action": "down", "cluster": "onprem-a", "reason": "x" * 501}, by="mallory")
+    assert str(refused.value).startswith("reason: 501 characters, over the limit of 500")
+    assert not (home / "state" / "fencing.json").exists()  # not fenced, nothing drained, no history
+    assert not (home / "state").exists() or not any((home / "state").rglob("*.json"))
+
+
+def test_a_reason_at_the_cap_is_kept_whole(home: Path):
+    from hybridflow.dr.fencing.task import fence_task
+
+    reason = "power loss in dc-1; " + "y" * 480
+    assert len(reason) == 500
+    out = fence_task({"action": "down", "cluster": "onprem-a", "reason": reason}, by="ops")
+    assert out["changed"]
+    assert down_clusters(home / "state" / "fencing.json")["onprem-a"]["reason"] == reason
+
+
+def test_the_trigger_form_s_param_refuses_a_longer_reason_too():
+    from airflow.sdk import Param
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    from hybridflow.dr.fencing.task import FENCE_PARAMS, REASON_MAX_CHARS
+
+    param = Param(**FENCE_PARAMS["reason"])
+    assert param.resolve("z" * REASON_MAX_CHARS) == "z" * REASON_MAX_CHARS
+    with pytest.raises(ParamValidationError):
+        param.resolve("z" * (REASON_MAX_CHARS + 1))
