@@ -163,6 +163,11 @@ def _stamp(now: datetime | None) -> str:
     return (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds")
 
 
+# The longest reason a declaration keeps (the fence file, its history, the Clusters & DR page):
+# every way of declaring down (task, CLI, UI form) passes check_down.
+REASON_MAX_CHARS = 500
+
+
 def check_down(estate: Any, cluster: str, reason: str) -> None:
     """Refuse a ``cluster down`` that cannot be right, naming the argument and the fix."""
     names = sorted(estate.clusters)
@@ -181,6 +186,9 @@ def check_down(estate: Any, cluster: str, reason: str) -> None:
     if not isinstance(reason, str) or not reason.strip():
         raise FencingError("reason is empty: say why the cluster is declared down (--reason), e.g. "
                            "--reason 'power loss in dc-1'; it is kept with the fence")
+    if len(reason) > REASON_MAX_CHARS:
+        raise FencingError(f"reason: {len(reason)} characters, over the limit of {REASON_MAX_CHARS}; say why in "
+                           "fewer words and keep the details in the incident record")
 
 
 def declare_down(cluster: str, reason: str, *, by: str | None = None, estate: Any = None,

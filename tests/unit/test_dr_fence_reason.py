@@ -1,5 +1,5 @@
-"""The reason a cluster is declared down with is capped on the server: the cluster_fence task
-refuses a longer one, naming the Param and the limit, before it fences or drains anything."""
+"""The reason a cluster is declared down with is capped on the server: the cluster_fence task and
+the CLI refuse a longer one, naming the argument and the limit, before they fence or drain anything."""
 
 from __future__ import annotations
 
@@ -41,9 +41,17 @@ def test_a_reason_over_the_cap_is_refused_before_anything_is_fenced(home: Path):
 
     with pytest.raises(AirflowFailException) as refused:
         fence_task({"action": "down", "cluster": "onprem-a", "reason": "x" * 501}, by="mallory")
-    assert str(refused.value).startswith("reason: 501 characters, over the limit of 500")
+    assert str(refused.value).startswith("cluster down: reason: 501 characters, over the limit of 500")
     assert not (home / "state" / "fencing.json").exists()  # not fenced, nothing drained, no history
     assert not (home / "state").exists() or not any((home / "state").rglob("*.json"))
+
+
+def test_the_cli_refuses_a_reason_over_the_cap_too(home: Path, capsys):
+    from hybridflow.cli import main
+
+    assert main(["cluster", "down", "onprem-a", "--reason", "x" * 501]) != 0
+    assert "reason: 501 characters, over the limit of 500" in capsys.readouterr().err
+    assert not (home / "state" / "fencing.json").exists()
 
 
 def test_a_reason_at_the_cap_is_kept_whole(home: Path):

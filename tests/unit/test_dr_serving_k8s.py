@@ -138,6 +138,25 @@ def test_no_replica_leaves_the_endpoint_not_moved_and_the_fence_standing(tmp_pat
         sims.close()
 
 
+def test_a_store_error_fails_the_drain_naming_the_endpoint_and_a_rerun_moves_it(estate, digits) -> None:
+    from hybridflow.dr.fencing.drain import DrainIncomplete
+
+    manifest = estate.base / "dr-store" / "models" / "digits" / "v1" / "MANIFEST.json"
+    good = manifest.read_text()
+    manifest.write_text(good[: len(good) // 2])  # cut short: what a torn copy or a full disk leaves
+    with pytest.raises(DrainIncomplete) as failed:
+        _down(estate)
+    assert "endpoint digits: JSONDecodeError" in str(failed.value)
+    drain = down_clusters(state_path(estate.state))[PRIMARY]["drain"]
+    assert drain["complete"] is False and drain["serving"]["endpoints"]["digits"]["state"] == "failed"
+    assert _dr_isvc(estate) is None  # nothing served from a replica that could not be read
+
+    manifest.write_text(good)  # repaired: the rerun of the same declaration finishes the drain
+    again = _down(estate)["record"]["drain"]
+    assert again["complete"] is True and again["serving"]["endpoints"]["digits"]["state"] == "on dr"
+    assert _answer(again["serving"]["endpoints"]["digits"]["dr"]["url"], digits.row)[0] == 200
+
+
 def test_a_dr_cluster_without_dr_serving_moves_nothing_and_names_the_fix(tmp_path, monkeypatch, digits) -> None:
     from hybridflow.dr.failover.serving_k8s import dr_target
 

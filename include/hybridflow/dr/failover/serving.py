@@ -167,8 +167,8 @@ def _take_over(edir: Path, dr: Any, spec: Any, scratch: Path, settings: Any) -> 
         try:
             server = start_server(edir, endpoint, str(body["version"]), bundle, settings)
         except (StepFailed, OSError) as exc:
-            return {"state": "not moved", "primary": primary,
-                    "reason": f"the DR-side server of {source} did not answer: {exc}; serving left as it was"}
+            # A failed move, not a choice: the drain stays incomplete and a rerun starts it again.
+            raise StepFailed(f"the DR-side server of {source} did not answer: {exc}") from exc
         entry = {**server, "cluster": dr.name, "model": body.get("model"), "source": source, "bundle": str(bundle),
                  "replica": body["_key"], "replicated_at": body.get("replicated_at"), "since": now()}
         write_json(edir / ACTIVE_FILE, {**active, TAKEOVER: entry})
@@ -200,12 +200,18 @@ def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = 
                         "names a backend; nothing to move"}
     try:
         dr, spec, scratch = dr_side(estate, state_dir, dr_spec)
-    except Exception as exc:  # noqa: BLE001 - the fence stands; the record says why serving did not move
-        return {"entry": entry, "drained": False, "rule": why, "endpoints": {},
-                "note": f"serving left as it was: the DR store cannot be opened ({type(exc).__name__}: {exc})"}
+    except Exception as exc:  # noqa: BLE001 - the fence stands; a rerun of the drain retries the store
+        return dr_store_failed(entry, why, exc)
     moved = move_each(endpoints, lambda e: _take_over(root / e, dr, spec, scratch, serving))
     return {"entry": entry, "drained": all(m["state"] == "on dr" for m in moved.values()), "rule": why,
             "dr_cluster": dr.name, "endpoints": moved}
+
+
+def dr_store_failed(entry: str, rule: str, exc: Exception) -> dict[str, Any]:
+    """The serving part of a drain whose DR store could not be opened: failed, so it is run again."""
+    error = f"the DR store cannot be opened ({type(exc).__name__}: {exc})"
+    return {"entry": entry, "drained": False, "rule": rule, "endpoints": {}, "failed": True, "error": error,
+            "note": f"serving left as it was: {error}"}
 
 
 def dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:

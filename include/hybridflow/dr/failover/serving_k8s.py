@@ -274,10 +274,8 @@ def _take_over(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | No
         served = start_on_dr(estate, dr, spec, endpoint, version, scratch)
     except NoReplica as exc:
         return {"state": "not moved", "primary": primary, "reason": f"{exc}; serving left as it was"}
-    except Exception as exc:  # noqa: BLE001 - the fence stands; the outcome says why this endpoint did not move
-        return {"state": "not moved", "primary": primary,
-                "reason": f"the DR pool on {dr.name} did not serve it ({type(exc).__name__}: {exc}); serving left "
-                          f"as it was"}
+    # Anything else (a corrupt manifest, a store error, a full disk, a pool that did not come up) is a
+    # failed move: move_each records it as such, so the drain stays incomplete and a rerun retries it.
     path = record_path(state_dir, endpoint)
     standing = read_json(path) or {}
     record = {**served, "endpoint": endpoint, "primary": primary,
@@ -290,7 +288,7 @@ def _take_over(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | No
 
 def fail_over_pool(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = None) -> dict[str, Any]:
     """Serve the endpoints of the inference pool on ``cluster_name`` from the DR pool (see the module doc)."""
-    from hybridflow.dr.failover.serving import dr_side, move_each, serving_cluster
+    from hybridflow.dr.failover.serving import dr_side, dr_store_failed, move_each, serving_cluster
 
     where, why = serving_cluster(estate)
     if where != cluster_name:
@@ -299,9 +297,8 @@ def fail_over_pool(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: A
     entry = f"inference pool {k8s.namespace} on {cluster_name} ({k8s.kind})"
     try:
         dr, spec, scratch = dr_side(estate, state_dir, dr_spec)
-    except Exception as exc:  # noqa: BLE001 - the fence stands; the record says why serving did not move
-        return {"entry": entry, "drained": False, "rule": why, "endpoints": {},
-                "note": f"serving left as it was: the DR store cannot be opened ({type(exc).__name__}: {exc})"}
+    except Exception as exc:  # noqa: BLE001 - the fence stands; a rerun of the drain retries the store
+        return dr_store_failed(entry, why, exc)
     try:
         endpoints, listed = served_on_primary(estate), f"the InferenceServices/Deployments of {k8s.namespace} on " \
                                                         f"{cluster_name}"

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hybridflow.fencing import REASON_MAX_CHARS
+
 # Who may trigger the DR DAGs (cluster_fence, dr_drill): the Airflow role granted them through the DAGs'
 # access_control (the FAB auth manager syncs it into per-DAG permissions). docs/dr-fencing.md#who-may-declare
 DR_OPERATOR_ROLE = "DR operator"
 DR_ACCESS_CONTROL: dict[str, dict[str, set[str]]] = {
     DR_OPERATOR_ROLE: {"DAGs": {"can_read", "can_edit"}, "DAG Runs": {"can_read", "can_create"}},
 }
-# The longest reason a declaration keeps (the fence file, its history, the Clusters & DR page).
-REASON_MAX_CHARS = 500
 
 FENCE_PARAMS: dict[str, dict[str, Any]] = {
     "action": {
@@ -61,10 +61,7 @@ def fence_task(params: Mapping[str, Any], by: str | None = None) -> dict[str, An
         raise AirflowFailException(f"action: {action!r} is neither 'down' nor 'up'")
     if not cluster:
         raise AirflowFailException("cluster: empty; name a cluster of config/clusters.yaml, e.g. onprem-a")
-    reason = params.get("reason") or ""
-    if len(reason) > REASON_MAX_CHARS:
-        raise AirflowFailException(f"reason: {len(reason)} characters, over the limit of {REASON_MAX_CHARS}; "
-                                   "say why in fewer words and keep the details in the incident record")
+    reason = params.get("reason") or ""  # its length is capped where every declaration passes (check_down)
     try:
         if action == "down":
             return fence_and_drain(cluster, reason, by=by)
