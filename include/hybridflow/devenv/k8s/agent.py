@@ -39,6 +39,8 @@ def _now() -> str:
 @dataclass
 class _Running:
     proc: subprocess.Popen
+    namespace: str
+    name: str
     container: str
     image: str
     started_at: str
@@ -60,7 +62,9 @@ class NodeAgent:
         self._api = config.new_client_from_config(config_file=str(self.kubeconfig))
         self.core = client.CoreV1Api(self._api)
         self.coord = client.CoordinationV1Api(self._api)
-        self.procs: dict[tuple[str, str], _Running] = {}
+        # By pod UID, as a kubelet keeps them: a restarted gang's pods reuse their names (Volcano), and a
+        # pod that ended must never be reported or deleted in the place of its namesake.
+        self.procs: dict[str, _Running] = {}
         self.ports: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,7 +101,7 @@ class NodeAgent:
     def step(self) -> None:
         if time.monotonic() - self._last_beat > 10:
             self._heartbeat()
-        pods = {(p.metadata.namespace, p.metadata.name): p for p in self.core.list_pod_for_all_namespaces(
+        pods = {p.metadata.uid: p for p in self.core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={self.node}", _request_timeout=10).items}
         for key, run in list(self.procs.items()):
             pod = pods.get(key)
@@ -171,19 +175,19 @@ class NodeAgent:
             env["MASTER_PORT"] = str(self.ports.setdefault(gang, free_port()))
         return env
 
-    def _run(self, key: tuple[str, str], pod) -> None:
+    def _run(self, key: str, pod) -> None:
         container = pod.spec.containers[0]
         command = [*(container.command or []), *(container.args or [])]
         command = [sys.executable if c in ("python", "python3") else c for c in command]
         with open(self.log_dir / f"{pod.metadata.name}.log", "ab") as log:
             proc = subprocess.Popen(command, env=self._env(pod), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        run = _Running(proc, container.name, container.image, _now())
+        run = _Running(proc, pod.metadata.namespace, pod.metadata.name, container.name, container.image, _now())
         self.procs[key] = run
         self.started.append(pod.metadata.name)
-        self._report(pod.metadata.namespace, pod.metadata.name, "Running", run)
+        self._report(key, "Running", run)
 
-    def _terminate(self, key: tuple[str, str], run: _Running, pod) -> None:
+    def _terminate(self, key: str, run: _Running, pod) -> None:
         if run.proc.poll() is not None:
             self._finish(key, run)
             self._delete_now(pod)
@@ -199,24 +203,26 @@ class NodeAgent:
             self._finish(key, run)
             self._delete_now(pod)
 
-    def _finish(self, key: tuple[str, str], run: _Running, *, report: bool = True) -> None:
+    def _finish(self, key: str, run: _Running, *, report: bool = True) -> None:
         code = run.proc.wait(timeout=30)
         code = 128 - code if code < 0 else code  # killed by signal N: the container runtime says 128+N
-        self.exits.append((key[1], code))
+        self.exits.append((run.name, code))
         del self.procs[key]
         if report:
-            self._report(key[0], key[1], "Succeeded" if code == 0 else "Failed", run, exit_code=code)
+            self._report(key, "Succeeded" if code == 0 else "Failed", run, exit_code=code)
 
     def _delete_now(self, pod) -> None:
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
         from kubernetes.client.exceptions import ApiException
 
+        body = V1DeleteOptions(grace_period_seconds=0, preconditions=V1Preconditions(uid=pod.metadata.uid))
         try:
-            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=body)
         except ApiException as exc:
-            if exc.status != 404:
+            if exc.status not in (404, 409):  # 409: gone, and a namesake of another UID is there
                 raise
 
-    def _report(self, namespace: str, name: str, phase: str, run: _Running, exit_code: int | None = None) -> None:
+    def _report(self, uid: str, phase: str, run: _Running, exit_code: int | None = None) -> None:
         from kubernetes.client.exceptions import ApiException
 
         now = _now()
@@ -236,10 +242,10 @@ class NodeAgent:
             "containerStatuses": [{"name": run.container, "image": run.image, "imageID": run.image,
                                    "ready": running, "started": running, "restartCount": 0, "state": state}],
         }
-        try:
-            self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+        try:  # the UID in the patch is a precondition: never the status of a namesake
+            self.core.patch_namespaced_pod_status(run.name, run.namespace, {"metadata": {"uid": uid}, "status": status})
         except ApiException as exc:
-            if exc.status != 404:
+            if exc.status not in (404, 409):
                 raise
 
 
