@@ -66,6 +66,29 @@ def test_the_kubernetes_trigger_only_waits():
     assert not outside, f"backends/k8s/trigger.py imports {outside}"
 
 
+# What changes a queue: the local pool's and a backend's writes, and the run's standing file.
+QUEUE_WRITES = {"try_acquire", "admit_step", "keep_ticket", "keep_place", "withdraw", "release", "cancel", "stop",
+                "note_standing", "keep_standing", "write_json_atomic"}
+
+
+def test_the_queue_wait_trigger_only_reads_while_it_waits():
+    """QueueWaitTrigger polls the queue and yields one event; taking slots, stopping batch gangs and
+    writing the run's standing are the task's. Only on_kill (a user stopped the task) withdraws."""
+    import ast
+
+    tree = ast.parse((PACKAGE / "queueing.py").read_text())
+    trigger = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QueueWaitTrigger")
+    found = {}
+    for method in trigger.body:
+        if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef) or method.name in ("on_kill", "_stop"):
+            continue
+        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                 for n in ast.walk(method) if isinstance(n, ast.Call)}
+        if calls & QUEUE_WRITES:
+            found[method.name] = sorted(calls & QUEUE_WRITES)
+    assert not found, f"QueueWaitTrigger changes the queue while it waits: {found}"
+
+
 # Modules outside backends/ that still reach into one backend's own modules, and what they take.
 # The gang backend contract (backends.base) is to replace each; the list may only shrink.
 BACKEND_INTERNALS_STILL_USED = {

@@ -3,27 +3,27 @@
 When no eligible cluster can take a run now, the run keeps its place in the queue of the cluster
 placement chose, in the triggerer (:class:`QueueWaitTrigger`: no worker slot held), until
 
-- the gang is admitted (``admitted``): on the local backend the trigger takes the slots on the
-  task's behalf for ``LEASE_S``, and the resumed task launches the gang on them;
+- the gang would be admitted now (``admitted``), or a critical gang would be once batch gangs stop
+  (``preempt``): the resumed task takes the slots (stopping those gangs first) and launches it;
+  the gang's ticket, which the task left before deferring, keeps its place meanwhile;
 - a whole ``training.gang_admission_timeout_s`` has passed (``recheck``): the task resumes and asks
   placement for an eligible cluster that would admit the gang now; it moves there
   (:func:`hybridflow.training.failover.fail_over`) or defers again, keeping the gang's ticket;
-- it has waited ``training.max_queue_wait_s`` in all (``expired``): the task fails, naming the setting;
+- it has waited ``training.max_queue_wait_s`` in all (``expired``): the task withdraws the ticket and
+  fails, naming the setting;
 - the cluster is declared down (:mod:`hybridflow.fencing`; ``fenced``): the gang is never admitted
   there; the task withdraws its ticket and moves it, or fails naming the fence.
 
-The trigger never places: moving is the task's, through placement.
-
-Its position, the GPUs ahead of it and an estimated start go to the task log and to
-``runs/<key>/queue.json``, which the run's page shows.
+The trigger only reads: it never takes slots, stops gangs, places or writes the run's files (the
+one exception is on_kill, which withdraws the ticket of a task a user stopped). Its position, the
+GPUs ahead of it and an estimated start go to the task log; the task writes them to
+``runs/<key>/queue.json``, which the run's page shows, each time it defers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
@@ -35,7 +35,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from hybridflow.runs import run_dir, write_json_atomic
 
 QUEUE_FILE = "queue.json"
-LEASE_S = 600.0  # slots taken by the trigger wait this long for the resumed task to launch the gang
+# A deferred task's ticket lives an admission window plus this long: time for the task to get a
+# worker and write it again; a task that is gone stops doing so, and its ticket lapses.
+TICKET_SLACK_S = 600.0
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -45,6 +47,19 @@ def _iso(epoch: float | None) -> str | None:
 def note_standing(private_root: Path, run_key: str, *, cluster: str, state: str, queued_since: float,
                   standing: Any = None, estimate: Any = None) -> dict:
     """Write where the run's gang stands (``state``: waiting, admitted, moved, expired, fenced) for its page."""
+    body = standing_body(cluster=cluster, state=state, queued_since=queued_since, standing=standing, estimate=estimate)
+    keep_standing(private_root, run_key, body)
+    return body
+
+
+def keep_standing(private_root: Path, run_key: str, body: dict) -> None:
+    """Write a :func:`standing_body` to the run's queue.json."""
+    write_json_atomic(run_dir(private_root, run_key) / QUEUE_FILE, body)
+
+
+def standing_body(*, cluster: str, state: str, queued_since: float, standing: Any = None,
+                  estimate: Any = None) -> dict:
+    """Where the run's gang stands, as :func:`note_standing` writes it."""
     now = time.time()
     body: dict[str, Any] = {"cluster": cluster, "state": state, "queued_since": _iso(queued_since),
                             "waited_s": round(now - queued_since, 1), "updated_at": _iso(now)}
@@ -53,7 +68,6 @@ def note_standing(private_root: Path, run_key: str, *, cluster: str, state: str,
     if estimate is not None:
         body["estimated_start"] = None if estimate.seconds is None else _iso(now + estimate.seconds)
         body["estimate_basis"] = estimate.basis
-    write_json_atomic(run_dir(private_root, run_key) / QUEUE_FILE, body)
     return body
 
 
@@ -92,14 +106,12 @@ def estimate_for(estate: Any, cluster: str, gpus: int, load: Any) -> Any:
 class QueueWaitTrigger(BaseTrigger):
     """Wait in a cluster's queue for the run's gang (``kind`` ``slots``: the local backend's slot
     pool; ``team_cap``: the team's GPUs across the estate to come under its gpu_cap before a
-    Kubernetes gang is submitted). Side effects: the gang's ticket in the local queue, the slots it
-    takes when admitted (leased) and the run's queue.json.
+    Kubernetes gang is submitted). It reads the queue and yields one event; it changes nothing.
 
     A user who marks the deferred task failed or success, or clears it, cancels the wait: Airflow
     then calls :meth:`on_kill`, which withdraws the ticket (gangs queued behind it are no longer
-    held back by a gang nobody waits for) and gives back slots this trigger took but never handed
-    to the task. A triggerer that restarts only cancels the trigger: the ticket keeps the gang's
-    place for the next triggerer."""
+    held back by a gang nobody waits for). A triggerer that restarts only cancels the trigger: the
+    ticket keeps the gang's place for the next triggerer."""
 
     def __init__(self, *, kind: str, cluster: str, job: dict, run: dict, queued_since: float,
                  max_wait_s: float, recheck_s: float, poll_s: float) -> None:
@@ -113,12 +125,6 @@ class QueueWaitTrigger(BaseTrigger):
         self.recheck_s = recheck_s
         self.poll_s = poll_s
         self._estimate: tuple[float, Any] | None = None  # (when, estimate): the ledger is read once a recheck
-        self._preempted: set[str] = set()  # batch gangs a critical gang stopped and waits for
-        # A poll runs in a thread that a cancel does not stop: on_kill takes this lock, so a poll in
-        # flight ends before the ticket is withdrawn, and none after it queues or admits again.
-        self._queue_lock = threading.Lock()
-        self._stopped = False
-        self._took_slots = False  # admitted by a poll whose event was never delivered (yet)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
@@ -135,12 +141,17 @@ class QueueWaitTrigger(BaseTrigger):
         last = None
         while True:
             try:
-                admitted, note = await asyncio.to_thread(self._poll)
+                verdict, note = await asyncio.to_thread(self.standing_now)
             except Exception as exc:  # noqa: BLE001 - every outcome becomes an event
                 yield self._event("error", f"could not read the queue of {self.cluster}: {exc}")
                 return
-            if admitted:
-                yield self._event("admitted", f"gang {self.job['name']} admitted on {self.cluster}", note)
+            if verdict == "now":
+                yield self._event("admitted", f"gang {self.job['name']} would be admitted on {self.cluster} now",
+                                  note)
+                return
+            if verdict == "preempt":  # the task stops the batch gangs, then takes the slots
+                yield self._event("preempt", f"gang {self.job['name']} (critical) fits on {self.cluster} once batch "
+                                             "gangs stop", note)
                 return
             if note.get("fenced"):  # never admitted there: the task withdraws the ticket and moves or fails
                 yield self._event("fenced", f"gang {self.job['name']} waits on {self.cluster}, which {note['fenced']}")
@@ -149,8 +160,7 @@ class QueueWaitTrigger(BaseTrigger):
             if note.get("position") != last:
                 self.log.info("gang %s %s", self.job["name"], line)
                 last = note.get("position")
-            if time.time() - self.queued_since >= self.max_wait_s:
-                await asyncio.to_thread(self._withdraw, "expired")
+            if time.time() - self.queued_since >= self.max_wait_s:  # the task withdraws the ticket and fails
                 yield self._event("expired", f"gang {self.job['name']} waited {self.max_wait_s:.0f} s: {line}", note)
                 return
             if self.kind == "slots" and time.time() - checked >= self.recheck_s:
@@ -168,29 +178,22 @@ class QueueWaitTrigger(BaseTrigger):
         estate = load_estate(settings.config_dir)
         return settings, estate, gang_backend(estate.clusters[self.cluster], estate, settings.state_dir)
 
-    def _poll(self) -> tuple[bool, dict]:
-        with self._queue_lock:
-            if self._stopped:
-                raise RuntimeError("the wait was stopped")
-            admitted, note = self._poll_once()
-            self._took_slots = admitted and self.kind == "slots"
-            return admitted, note
-
-    def _poll_once(self) -> tuple[bool, dict]:
+    def standing_now(self) -> tuple[str | None, dict]:
+        """(``now``, ``preempt`` or None, where the gang stands): read only. The task writes the same
+        reading to the run's queue.json before it defers."""
         from hybridflow.backends import team_held_outside
         from hybridflow.backends.base import GangJob, QueueStanding
 
         settings, estate, backend = self._context()
         why = fenced_cluster(self.cluster, settings.state_dir)
         if why is not None:  # checked before every admission step: a fenced queue admits nothing
-            return False, {"fenced": why}
+            return None, {"fenced": why}
         team, cap = self.job.get("team") or "", self.job.get("team_cap")
         job = GangJob(name=self.job["name"], workers=int(self.job["workers"]), spec={},
                       labels={"priority": self.job["priority"], "team": team}, team_cap=cap,
                       team_held_outside=team_held_outside(estate, settings.state_dir, team) if cap else 0)
         if self.kind == "slots":
-            admitted = backend.admit_step(job, since=self.queued_since, lease_s=LEASE_S, pid=os.getpid(),
-                                          preempted=self._preempted, log=self.log.info)
+            verdict = backend.admission(job)
             standing = backend.standing(job.name)
             load = backend.load()
         else:
@@ -198,22 +201,14 @@ class QueueWaitTrigger(BaseTrigger):
 
             loads = estate_load(estate, settings.state_dir)
             held = team_usage(loads).get(job.team or "", 0)
-            admitted = job.team_cap is None or held + job.workers <= job.team_cap
+            verdict = "now" if job.team_cap is None or held + job.workers <= job.team_cap else None
             load = loads[self.cluster]
-            standing = QueueStanding(self.cluster, 0, 0, load.free, load.capacity, over_team_cap=not admitted)
+            standing = QueueStanding(self.cluster, 0, 0, load.free, load.capacity, over_team_cap=verdict is None)
         if self._estimate is None or time.time() - self._estimate[0] >= self.recheck_s:
             self._estimate = (time.time(), estimate_for(estate, self.cluster, job.workers, load))
-        note = note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster,
-                             state="admitted" if admitted else "waiting", queued_since=self.queued_since,
-                             standing=standing, estimate=self._estimate[1])
-        return admitted, note
-
-    def _withdraw(self, state: str) -> None:
-        settings, _, backend = self._context()
-        if self.kind == "slots":
-            backend.pool.withdraw(self.job["name"])
-        note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster, state=state,
-                      queued_since=self.queued_since)
+        note = standing_body(cluster=self.cluster, state="waiting" if verdict is None else "admitted",
+                             queued_since=self.queued_since, standing=standing, estimate=self._estimate[1])
+        return verdict, note
 
     async def on_kill(self) -> None:
         """The user stopped the deferred task: withdraw the gang's ticket from the cluster's queue and
@@ -228,16 +223,11 @@ class QueueWaitTrigger(BaseTrigger):
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
-        with self._queue_lock:
-            self._stopped = True
-            self._withdraw("stopped")
-            if self._took_slots:
-                # Only slots still leased to this triggerer: a new try of a cleared task that took them
-                # over (its own pid, no lease) keeps them.
-                _, _, backend = self._context()
-                held = backend.pool.holdings().get(self.job["name"]) or {}
-                if held.get("pid") == os.getpid() and "lease_until" in held:
-                    backend.pool.release(self.job["name"])
+        settings, _, backend = self._context()
+        if self.kind == "slots":
+            backend.pool.withdraw(self.job["name"])
+        note_standing(settings.private_root, self.run_info["run_key"], cluster=self.cluster, state="stopped",
+                      queued_since=self.queued_since)
         self.log.info("gang %s withdrawn from the queue of %s: the task was stopped by a user", self.job["name"],
                       self.cluster)
 

@@ -254,13 +254,16 @@ def test_a_team_over_its_cap_waits_unsubmitted_and_starts_when_its_gpus_free_up(
     trigger = deferred.value.trigger
     assert isinstance(trigger, QueueWaitTrigger) and trigger.kind == "team_cap"
     assert _creates(estate.sim) == []  # not submitted while over the cap
+    standing = read_standing(estate.home / "private", run["run_key"])  # written by the task as it deferred
+    assert standing["state"] == "waiting" and standing["over_team_cap"]
     earlier.release("train-earlier")  # the team's earlier run finishes
     event = asyncio.run(_first_event(trigger))
     assert event.payload["status"] == "admitted"
-    assert read_standing(estate.home / "private", run["run_key"])["state"] == "admitted"
+    assert read_standing(estate.home / "private", run["run_key"]) == standing  # the trigger writes nothing
     resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
     result = _complete(resumed, context, deferred.value, event, estate)
     assert result["cluster"] == CLUSTER and result["final_step"] == 40
+    assert read_standing(estate.home / "private", run["run_key"])["state"] == "admitted"
 
 
 def _side_gang(name: str, priority: str, queue: str, seconds: float, sim: SimCluster | None = None) -> str:

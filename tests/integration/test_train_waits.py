@@ -73,8 +73,12 @@ def test_restricted_run_waits_for_the_busy_private_pool_and_starts_when_a_gang_f
         blocker.release("someone-else")  # the other gang finishes
     waiting.join(timeout=30)
     assert seen and seen[0]["status"] == "admitted", seen
-    # The trigger took the slots for the task (leased): nobody else can take them meanwhile.
-    assert LocalSlotPool(home / "state", "onprem-a", 4).holdings()[f"train-{run['run_key']}"]["lease_until"]
+    # The trigger took nothing: the slots stay free, and the ticket the task kept before deferring holds
+    # the gang's place, so a later gang cannot take them meanwhile.
+    pool = LocalSlotPool(home / "state", "onprem-a", 4)
+    assert pool.holdings() == {} and f"train-{run['run_key']}" in pool.waiting()
+    assert not pool.try_acquire("later", 1, queue=True)
+    pool.withdraw("later")
 
     resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
     result = resumed.resume_after_wait(context, event=seen[0], **deferred.value.kwargs)

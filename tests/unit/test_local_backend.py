@@ -315,23 +315,25 @@ def test_team_cap_counts_what_the_team_holds_on_kubernetes_clusters(tmp_path):
     assert pool.try_acquire("x-1", 2, team="x", team_cap=3, team_outside=1)
 
 
-def test_slots_taken_for_a_deferred_task_are_leased_and_keep_its_place(tmp_path):
-    import time
-
+def test_a_deferred_task_s_ticket_keeps_its_place_until_its_deadline_and_reads_change_nothing(tmp_path):
     pool = LocalSlotPool(tmp_path, "a", 2)
     assert pool.try_acquire("busy", 2)
     since = time.time() - 500  # it queued long ago, before its task deferred
     assert not pool.try_acquire("late", 1, queue=True)
-    assert not pool.try_acquire("early", 1, queue=True, since=since)
+    pool.keep_ticket("early", 1, since=since, keep_s=0.5)  # no process of its own while deferred
     assert [w[0] for w in pool.load().waiting] == ["early", "late"]  # its place survives the hand-over
     pool.release("busy")
-    assert pool.try_acquire("early", 1, queue=True, since=since, lease_s=0.2)  # taken by its trigger
-    assert pool.holdings()["early"]["lease_until"]
+    before = pool.path.read_text()
+    assert pool.admissible("early", 1) and not pool.admissible("late", 2)  # what its trigger asks
+    assert pool.path.read_text() == before and pool.holdings() == {}  # asking took nothing
+    assert not pool.try_acquire("late", 1, queue=True)  # the kept ticket still ranks ahead
+    assert pool.try_acquire("early", 1, queue=True)  # the resumed task takes the slots itself
+    assert "early" not in pool.waiting()
+    pool.release("early")
+    pool.keep_ticket("early", 1, since=since, keep_s=0.2)
     time.sleep(0.3)
-    assert "early" not in pool.holdings()  # its task never came: the lease lapsed, nothing leaks
-    pool.withdraw("late")
-    assert pool.try_acquire("early", 1, lease_s=60) and pool.try_acquire("early", 1)  # the task takes them over
-    assert "lease_until" not in pool.holdings()["early"]
+    assert "early" not in pool.waiting()  # a task that never came back: its ticket lapsed
+    assert pool.try_acquire("late", 1, queue=True)
 
 
 def test_team_cap_spans_clusters_and_does_not_block_other_teams(tmp_path):

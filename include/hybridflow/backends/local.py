@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hybridflow.backends.base import (
-    INSTANCE_KEY,
     MISSING,
     PENDING,
     RUNNING,
@@ -47,7 +46,6 @@ from hybridflow.backends.base import (
     GangJob,
     GangStatus,
     QueueStanding,
-    instance_identity,
 )
 from hybridflow.backends.errors import (  # noqa: F401 - the train task and tests import them from here
     GangFailed,
@@ -72,14 +70,15 @@ from hybridflow.backends.local_processes import (  # noqa: F401 - tests import t
     _start_ticks,
     pid_alive,
 )
+from hybridflow.backends.local_queue import LocalQueue, _check_job
 from hybridflow.backends.local_slots import (  # noqa: F401 - the train task and tests import them from here
     PRIORITY_RANK,
     TEAMS_LOCK,
     LocalSlotPool,
     _atomic_write_json,
     _read_json,
+    entry_alive,
 )
-from hybridflow.errors import GangError
 
 WORKER_MODULE = "hybridflow.training.worker"
 
@@ -91,17 +90,6 @@ class GangResult:
     log_paths: list[Path]
     job_dir: Path
     queued_s: float = 0.0  # waited for admission, since the gang first queued
-
-
-def _check_job(job: GangJob) -> None:
-    """The job's name and attempt name folders; a gang has at least one worker."""
-    for label, value in (("job name", job.name), ("attempt", job.attempt)):
-        if not value or "/" in value or value in (".", ".."):
-            raise GangError(
-                f"{label} {value!r} cannot name a folder; use letters, numbers, '-', '_' or '.'"
-            )
-    if job.workers < 1:
-        raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
 
 
 def _launch(
@@ -130,7 +118,7 @@ def _launch(
 
 
 # -- gang backend ------------------------------------------------------------------------------
-class LocalGangBackend(GangBackend):
+class LocalGangBackend(LocalQueue, GangBackend):
     """Runs gangs as local processes against a :class:`LocalSlotPool`."""
 
     def __init__(
@@ -186,79 +174,6 @@ class LocalGangBackend(GangBackend):
         return self.job_dir(job_name) / "owner.json"
 
     # -- admission ---
-    def admit_step(self, job: GangJob, *, since: float | None = None, lease_s: float | None = None,
-                   pid: int | None = None, preempted: set[str] | None = None,
-                   log: Callable[[str], None] = print) -> bool:
-        """One try to admit ``job``: take its slots, or leave its ticket (keeping its place from
-        ``since``); a critical gang also stops batch gangs in its way. ``lease_s`` reserves the
-        slots for the task that will launch the gang (a trigger admits on its behalf)."""
-        owner = {**job.owner, INSTANCE_KEY: instance_identity()} if job.owner else None
-        if owner and _read_json(self.owner_path(job.name)) != owner:
-            _check_job(job)
-            _atomic_write_json(self.owner_path(job.name), owner)
-        if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
-                                 team_cap=job.team_cap, queue=True, since=since, lease_s=lease_s,
-                                 team_outside=job.team_held_outside):
-            return True
-        if job.priority == "critical" and self.critical_preempts_batch and preempted is not None:
-            preempted |= self._preempt_batch(job, preempted, log)
-        return False
-
-    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None],
-               queued_since: float | None) -> float:
-        """Wait up to ``admission_timeout_s`` for the gang's slots; returns the seconds it waited
-        since it first queued (``queued_since``, epoch, when an earlier try already waited)."""
-        deadline = time.monotonic() + admission_timeout_s
-        since = queued_since or time.time()
-        announced = False
-        preempted: set[str] = set()
-        try:
-            while not self.admit_step(job, since=since, preempted=preempted, log=log):
-                standing = self.pool.standing(job.name)
-                if time.monotonic() >= deadline:
-                    cap = (f"team {job.team!r} holds its gpu_cap of {job.team_cap} GPUs" if standing.over_team_cap
-                           else standing.describe())
-                    raise GangNotAdmitted(
-                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s on cluster "
-                        f"{self.cluster!r}: {cap}", cluster=self.cluster, over_team_cap=standing.over_team_cap,
-                        queued_since=since, standing=standing,
-                    )
-                if not announced:
-                    why = (f"team {job.team} at its gpu_cap of {job.team_cap}" if standing.over_team_cap
-                           else standing.describe())
-                    log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster} "
-                        f"(priority {job.priority}; {why})")
-                    announced = True
-                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        finally:
-            self.pool.withdraw(job.name)
-        held = self.pool.holdings().get(job.name, {})
-        return max(0.0, time.time() - float(held.get("queued_since") or since))
-
-    def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
-        """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
-        preempted (its train task relaunches it, and it queues behind this critical gang)."""
-        holdings = self.pool.holdings()
-        if any(name in holdings for name in already):
-            return set()  # earlier victims are still shutting down; their slots are on the way
-        free = self.pool.capacity - sum(int(h["slots"]) for h in holdings.values())
-        batch = sorted(
-            ((name, h) for name, h in holdings.items() if h.get("priority") == "batch" and name != job.name),
-            key=lambda item: -float(item[1].get("since", 0)),
-        )
-        if free + sum(int(h["slots"]) for _, h in batch) < job.workers:
-            return set()  # stopping every batch gang would not be enough: do not stop any
-        victims: set[str] = set()
-        for name, h in batch:
-            if free >= job.workers:
-                break
-            log(f"gang {job.name} (critical): preempting batch gang {name} ({h['slots']} slots); it checkpoints first")
-            if self.cancel(name):
-                victims.add(name)
-            free += int(h["slots"])
-        return victims
-
-    # -- run ---
     def run(
         self,
         job: GangJob,

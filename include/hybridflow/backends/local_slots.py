@@ -7,7 +7,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,14 @@ def _atomic_write_json(path: Path, body: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
     tmp.replace(path)
+
+
+def entry_alive(entry: dict) -> bool:
+    """A holding or ticket still stands: its process runs or, for a ticket kept for a deferred task
+    (:meth:`LocalSlotPool.keep_ticket`), its deadline has not passed."""
+    if entry.get("keep_until") is not None:
+        return float(entry["keep_until"]) >= time.time()
+    return pid_alive(int(entry.get("pid") or 0), entry.get("pid_start"))
 
 
 PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}
@@ -86,11 +94,19 @@ class LocalSlotPool:
                 _atomic_write_json(self.path, state)
 
     def _reclaim_dead(self, holdings: dict) -> None:
-        now = time.time()
         for name, h in list(holdings.items()):
-            # A lease (slots reserved by a waiting task's trigger) lapses if its task never comes for them.
-            if not pid_alive(int(h["pid"]), h.get("pid_start")) or h.get("lease_until", now) < now:
+            if not entry_alive(h):
                 del holdings[name]
+
+    def _snapshot(self) -> dict:
+        """The pool's state as it stands, its dead entries left out, read under the lock and never
+        written: what a waiting gang's trigger asks of the queue changes nothing in it."""
+        with self._flock(self.lock_path):
+            state = _read_json(self.path) or {}
+        state = {"holdings": dict(state.get("holdings") or {}), "waiting": dict(state.get("waiting") or {})}
+        self._reclaim_dead(state["holdings"])
+        self._reclaim_dead(state["waiting"])
+        return state
 
     def _team_held_elsewhere(self, team: str) -> int:
         """GPUs ``team`` holds on the other clusters' pools (read under the teams lock)."""
@@ -119,17 +135,67 @@ class LocalSlotPool:
         team_cap: int | None = None,
         queue: bool = False,
         since: float | None = None,
-        lease_s: float | None = None,
         team_outside: int = 0,
     ) -> bool:
         """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
-        slots the job already holds moves them to ``pid`` (and drops any lease).
+        slots the job already holds moves them to ``pid``.
 
         ``queue=True`` leaves (or refreshes) a ticket when the gang cannot start yet; it is removed
-        when the gang is admitted, by :meth:`withdraw`, or when its process dies. ``since`` keeps a
-        gang's place when its ticket is taken over by another process (a deferred task's trigger).
-        ``lease_s``: the slots are reserved for that long only, unless the job takes them again.
+        when the gang is admitted, by :meth:`withdraw`, or when its process dies (a ticket of
+        :meth:`keep_ticket` lives by its own deadline instead). ``since`` keeps a gang's place when
+        its ticket is written again by another process (a task resumed from its wait).
         """
+        self._check(job_name, n, priority)
+        pid = os.getpid() if pid is None else pid
+
+        def take(state: dict, elsewhere: int) -> bool:
+            ticket = state["waiting"].get(job_name)
+            first = ticket["since"] if ticket else (since or time.time())
+            admitted, over_cap = self._verdict(state, job_name, n, priority, team, team_cap, elsewhere, first)
+            if not admitted:
+                if queue:
+                    state["waiting"][job_name] = {"slots": n, "priority": priority, "team": team, "over_cap": over_cap,
+                                                  "since": first, "pid": pid, "pid_start": _start_ticks(pid)}
+                return False
+            state["waiting"].pop(job_name, None)
+            mine = state["holdings"].get(job_name)
+            state["holdings"][job_name] = {
+                "slots": n, "pid": pid, "pid_start": _start_ticks(pid), "priority": priority, "team": team,
+                "since": mine["since"] if mine else time.time(),
+                "queued_since": mine.get("queued_since", first) if mine else first,
+            }
+            return True
+
+        return self._under_locks(team, team_cap, team_outside, take)
+
+    def keep_ticket(self, job_name: str, n: int, *, since: float, keep_s: float, priority: str = "normal",
+                    team: str | None = None, team_cap: int | None = None, team_outside: int = 0) -> None:
+        """The gang's ticket while its task waits deferred, kept for ``keep_s`` whatever process wrote
+        it (the task writes it again each admission window; a task that is gone stops doing so, and
+        the ticket lapses). Never takes slots: the resumed task does (:meth:`try_acquire`)."""
+        self._check(job_name, n, priority)
+
+        def keep(state: dict, elsewhere: int) -> bool:
+            ticket = state["waiting"].get(job_name)
+            first = min(ticket["since"], since) if ticket else since
+            _, over_cap = self._verdict(state, job_name, n, priority, team, team_cap, elsewhere, first)
+            state["waiting"][job_name] = {"slots": n, "priority": priority, "team": team, "over_cap": over_cap,
+                                          "since": first, "pid": None, "keep_until": time.time() + keep_s}
+            return True
+
+        self._under_locks(team, team_cap, team_outside, keep)
+
+    def admissible(self, job_name: str, n: int, *, priority: str = "normal", team: str | None = None,
+                   team_cap: int | None = None, team_outside: int = 0) -> bool:
+        """Whether :meth:`try_acquire` would admit the gang now, read without changing the pool."""
+        self._check(job_name, n, priority)
+        elsewhere = (self._team_held_elsewhere(team) + team_outside) if team is not None and team_cap is not None else 0
+        state = self._snapshot()
+        ticket = state["waiting"].get(job_name)
+        first = ticket["since"] if ticket else time.time()
+        return self._verdict(state, job_name, n, priority, team, team_cap, elsewhere, first)[0]
+
+    def _check(self, job_name: str, n: int, priority: str) -> None:
         if n < 1:
             raise ValueError(f"a gang needs at least one worker, got {n}")
         if n > self.capacity:
@@ -139,54 +205,34 @@ class LocalSlotPool:
             )
         if priority not in PRIORITY_RANK:
             raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_RANK)}")
-        pid = os.getpid() if pid is None else pid
+
+    def _under_locks(self, team: str | None, team_cap: int | None, team_outside: int,
+                     change: Callable[[dict, int], bool]) -> bool:
+        """``change(state, GPUs the team holds elsewhere)`` under the cluster's lock, and the estate-wide
+        teams lock first when a team cap applies (always in that order, so two locks never deadlock)."""
         if team is not None and team_cap is not None:
             with self._flock(self.dir / TEAMS_LOCK):
                 elsewhere = self._team_held_elsewhere(team) + team_outside
-                return self._try(job_name, n, pid, priority, team, team_cap, elsewhere, queue, since, lease_s)
-        return self._try(job_name, n, pid, priority, team, None, 0, queue, since, lease_s)
-
-    def _try(self, job_name: str, n: int, pid: int, priority: str, team: str | None, team_cap: int | None,
-             team_elsewhere: int, queue: bool, since: float | None, lease_s: float | None) -> bool:
+                with self._locked() as state:
+                    return change(state, elsewhere)
         with self._locked() as state:
-            holdings, waiting = state["holdings"], state["waiting"]
-            mine = holdings.get(job_name)
-            ticket = waiting.get(job_name)
-            now = time.time()
-            since = ticket["since"] if ticket else (since or now)
-            used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
-            over_cap = False
-            if team_cap is not None:
-                team_here = sum(
-                    int(h["slots"]) for name, h in holdings.items() if name != job_name and h.get("team") == team
-                )
-                over_cap = team_elsewhere + team_here + n > team_cap
-            my_rank = (PRIORITY_RANK[priority], since)
-            ahead = [
-                name for name, t in waiting.items()
-                if name != job_name and not t.get("over_cap")
-                and (PRIORITY_RANK.get(t.get("priority"), 1), t["since"]) < my_rank
-            ]
-            if mine is None and (over_cap or ahead or used + n > self.capacity):
-                if queue:
-                    waiting[job_name] = {
-                        "slots": n, "priority": priority, "team": team, "over_cap": over_cap,
-                        "since": since, "pid": pid, "pid_start": _start_ticks(pid),
-                    }
-                return False
-            waiting.pop(job_name, None)
-            holdings[job_name] = {
-                "slots": n,
-                "pid": pid,
-                "pid_start": _start_ticks(pid),
-                "priority": priority,
-                "team": team,
-                "since": mine["since"] if mine else now,
-                "queued_since": mine.get("queued_since", since) if mine else since,
-            }
-            if lease_s is not None:
-                holdings[job_name]["lease_until"] = now + lease_s
-            return True
+            return change(state, 0)
+
+    def _verdict(self, state: dict, job_name: str, n: int, priority: str, team: str | None, team_cap: int | None,
+                 team_elsewhere: int, since: float) -> tuple[bool, bool]:
+        """(admitted now, held by its team's cap): slots go to tickets in priority then arrival order."""
+        holdings, waiting = state["holdings"], state["waiting"]
+        used = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name)
+        over_cap = False
+        if team_cap is not None:
+            team_here = sum(int(h["slots"]) for name, h in holdings.items() if name != job_name and h.get("team") == team)
+            over_cap = team_elsewhere + team_here + n > team_cap
+        my_rank = (PRIORITY_RANK[priority], since)
+        ahead = [name for name, t in waiting.items() if name != job_name and not t.get("over_cap")
+                 and (PRIORITY_RANK.get(t.get("priority"), 1), t["since"]) < my_rank]
+        if job_name in holdings:
+            return True, over_cap
+        return not (over_cap or ahead or used + n > self.capacity), over_cap
 
     def withdraw(self, job_name: str) -> None:
         """Drop the gang's waiting ticket (it gave up or failed over)."""

@@ -8,23 +8,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow.sdk import BaseOperator
 
+from hybridflow.operators.queue_waits import QueueWaits, fenced
 from hybridflow.runs import RunIdentity
 
 if TYPE_CHECKING:
     from hybridflow.training.job import TrainJob
-
-
-def fenced(cluster: str, settings: Any = None) -> str | None:
-    """Why ``cluster`` takes no gang now (declared down: who, when, why) and the fix; None when it is up."""
-    from hybridflow.fencing import down_clusters, state_path
-
-    record = down_clusters(state_path(None if settings is None else settings.state_dir)).get(cluster)
-    if record is None:
-        return None
-    return (f"cluster {cluster} is declared down (at {record.get('declared_at')} by {record.get('by')}: "
-            f"{record.get('reason') or 'no reason kept'}) and takes no new gangs. Clear the choose_cluster task (and "
-            f"its downstream tasks) so placement picks again, or `hybridflow cluster up {cluster}` once it is back "
-            "and clear the train task")
 
 
 def _resume_hint(job: TrainJob) -> str:
@@ -35,7 +23,7 @@ def _resume_hint(job: TrainJob) -> str:
             "again")
 
 
-class GangTrainOperator(BaseOperator):
+class GangTrainOperator(QueueWaits, BaseOperator):
     """Run distributed training as a gang (all workers or none) and bring the model home.
 
     The gang job's name derives from the DAG run, so a retry or a cleared task takes the same slots
@@ -131,127 +119,6 @@ class GangTrainOperator(BaseOperator):
             except GangNotAdmitted as exc:
                 queued_since = queued_since or exc.queued_since or time.time()
                 placement, staged = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
-
-    def _after_wait(self, context, exc, placement: dict, staged: dict, estate, settings,
-                    queued_since: float) -> tuple[dict, dict]:
-        """The gang waited a full admission window: move it to an eligible cluster that would admit
-        it now, else keep its place in the queue (deferred: no worker slot held), until
-        ``training.max_queue_wait_s`` runs out."""
-        from hybridflow.training.failover import fail_over
-
-        if self._killed:
-            raise exc
-        cfg = estate.pipeline.training
-        self._fail_if_expired(exc.cluster, queued_since, cfg.max_queue_wait_s, str(exc))
-        self.log.warning("%s", exc)
-        if not exc.over_team_cap:  # a team's cap spans the estate: another cluster would not help
-            moved = fail_over(self.run, placement, exc.cluster,
-                              f"gang not admitted within {cfg.gang_admission_timeout_s:g} s", settings)
-            if moved is not None:
-                self._leave_queue(exc.cluster, estate, settings, queued_since)
-                self.log.warning("Moved to cluster %s, which would admit the gang now", moved[0]["cluster"])
-                return moved
-        down = fenced(exc.cluster, settings)
-        if down is not None:  # its queue admits nothing until the cluster is up: do not wait there
-            from airflow.sdk.exceptions import AirflowFailException
-
-            self._leave_fenced(exc.cluster, estate, settings)
-            self._note(exc.cluster, "fenced", queued_since, settings)
-            raise AirflowFailException(f"not started: {down}")
-        return self._wait_in_queue(context, exc, placement, staged, estate, settings, queued_since)
-
-    def _fail_if_expired(self, cluster: str, queued_since: float, max_wait_s: float, standing: str) -> None:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        waited = time.time() - queued_since
-        if waited >= max_wait_s:
-            raise AirflowFailException(
-                f"gang {self._job_name} waited {waited:.0f} s for admission, training.max_queue_wait_s is "
-                f"{max_wait_s:g} (config/pipeline.yaml); last seen: {standing}. Raise the limit, ask for fewer "
-                "workers, or trigger the run again when the cluster is less busy"
-            )
-
-    def _leave_queue(self, cluster: str, estate, settings, queued_since: float) -> None:
-        """Nothing of this run keeps queueing on a cluster it moved away from: its Kubernetes job, or
-        its ticket in the local queue."""
-        from hybridflow.backends import gang_backend
-
-        backend = gang_backend(estate.clusters[cluster], estate, settings.state_dir)
-        if getattr(backend, "pool", None) is not None:
-            backend.pool.withdraw(f"train-{self.run['run_key']}")
-        elif self._job_name:
-            backend.cancel(self._job_name)
-        self._note(cluster, "moved", queued_since, settings)
-
-    def _note(self, cluster: str, state: str, queued_since: float, settings) -> None:
-        """How the run's wait on ``cluster`` ended (moved, fenced), for its page."""
-        from hybridflow.queueing import note_standing
-
-        note_standing(settings.private_root, self.run["run_key"], cluster=cluster, state=state,
-                      queued_since=queued_since)
-
-    def _leave_fenced(self, cluster: str, estate, settings) -> None:
-        """Nothing of this run waits or holds slots on a local cluster declared down: its gang's
-        ticket, or slots a queue wait took for it just before the fence."""
-        from hybridflow.backends import gang_backend
-
-        backend = gang_backend(estate.clusters[cluster], estate, settings.state_dir)
-        pool = getattr(backend, "pool", None)
-        name = f"train-{self.run['run_key']}"
-        if pool is not None and not backend.cancel(name):  # no live gang: only its ticket or leased slots
-            pool.withdraw(name)
-            pool.release(name)
-
-    def _wait_in_queue(self, context, exc, placement: dict, staged: dict, estate, settings,
-                       queued_since: float) -> tuple[dict, dict]:
-        """Keep the gang's place: in the triggerer (local slot queue, or a team over its cap before a
-        Kubernetes gang is submitted); a blocking Kubernetes wait simply waits another window."""
-        from hybridflow.backends import gang_backend
-        from hybridflow.queueing import QueueWaitTrigger
-        from hybridflow.request import AdmittedRun
-
-        cfg = estate.pipeline.training
-        local = gang_backend(estate.clusters[exc.cluster], estate, settings.state_dir).supervised_by_task
-        if not local and not exc.over_team_cap:
-            return placement, staged  # blocking Kubernetes: the job keeps its place, wait another window
-        req = AdmittedRun.from_xcom(dict(self.run))
-        team_cap = None if req.priority == "critical" else estate.teams[req.team].gpu_cap
-        self.defer(
-            trigger=QueueWaitTrigger(
-                kind="slots" if local else "team_cap", cluster=exc.cluster,
-                job={"name": self._job_name, "workers": req.workers, "priority": req.priority, "team": req.team,
-                     "team_cap": team_cap},
-                run=dict(self.run), queued_since=queued_since,
-                max_wait_s=cfg.max_queue_wait_s, recheck_s=cfg.gang_admission_timeout_s, poll_s=cfg.queue_poll_s),
-            method_name="resume_after_wait",
-            kwargs={"placement": placement, "staged": staged, "queued_since": queued_since},
-        )
-        raise AssertionError("defer() raises")  # pragma: no cover
-
-    def resume_after_wait(self, context, event: dict, placement: dict, staged: dict, queued_since: float) -> dict:
-        """Back from :class:`~hybridflow.queueing.QueueWaitTrigger`: admitted (launch on the slots it
-        took), a window passed or the cluster was declared down (move to a cluster with room now, wait
-        again, or fail naming the fence), or the wait ran out."""
-        from hybridflow.backends.errors import GangNotAdmitted
-        from hybridflow.config import load_estate
-        from hybridflow.errors import GangError
-        from hybridflow.settings import get_settings
-
-        settings = get_settings()
-        estate = load_estate(settings.config_dir)
-        status, cluster = event.get("status"), event.get("cluster") or placement["cluster"]
-        self._job_name = f"train-{self.run['run_key']}"
-        if status == "error":
-            raise GangError(f"{event.get('message')}; clear the train task to wait again")
-        if status == "expired":
-            self._fail_if_expired(cluster, queued_since, estate.pipeline.training.max_queue_wait_s,
-                                  event.get("message", ""))
-        if status in ("recheck", "fenced"):  # a window passed, or the cluster was declared down: placement's turn
-            moved_or_stay = self._after_wait(
-                context, GangNotAdmitted(event.get("message", ""), cluster=cluster, queued_since=queued_since),
-                placement, staged, estate, settings, queued_since)
-            placement, staged = moved_or_stay
-        return self._train_with_failover(context, settings, estate, placement, staged, queued_since)
 
     def _job(self, context, settings, estate, placement: dict, staged: dict) -> TrainJob:
         """What every gang of this run on ``placement``'s cluster is given, whatever its backend."""
@@ -423,21 +290,6 @@ class GangTrainOperator(BaseOperator):
                     "started": started},
         )
         raise AssertionError("defer() raises")  # pragma: no cover
-
-    def _note_waiting(self, job: TrainJob, backend, estate, queued_since: float, settings) -> None:
-        """The gang's position, the GPUs ahead of it and an estimated start, for the run's page and
-        the task log. Best effort: the standing is a help, never a reason to stop waiting."""
-        from hybridflow.queueing import describe, estimate_for, note_standing
-
-        try:
-            load = backend.load()
-            note = note_standing(settings.private_root, job.run_key, cluster=job.cluster.name, state="waiting",
-                                 queued_since=queued_since, standing=backend.standing(self._job_name),
-                                 estimate=estimate_for(estate, job.cluster.name, job.admitted.workers, load))
-        except Exception as exc:  # noqa: BLE001
-            self.log.warning("gang %s: standing unknown (%s)", self._job_name, exc)
-            return
-        self.log.info("gang %s %s", self._job_name, describe(note))
 
     def _admitted_after(self, job: TrainJob, label: str, waited_s: float, settings) -> None:
         from hybridflow.queueing import record_admission

@@ -11,11 +11,10 @@ it holds no GPUs, but every gang queued behind it waits for it) by withdrawing i
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 
 from hybridflow.backends.base import INSTANCE_KEY, instance_identity
-from hybridflow.backends.local import LocalGangBackend, _read_json, pid_alive
+from hybridflow.backends.local import LocalGangBackend, _read_json, entry_alive
 from hybridflow.reaper.base import Finder, Leftover
 from hybridflow.reaper.owners import not_ours, owner_from_record
 
@@ -53,12 +52,11 @@ class LocalGangFinder(Finder):
         return out
 
     def _holdings(self, state: dict, running: set[str]) -> list[Leftover]:
-        now = time.time()
         out = []
         for name, held in sorted((state.get("holdings") or {}).items()):
-            if name in running or float(held.get("lease_until", now)) < now:
-                continue  # held by a gang listed above, or a lapsed lease the pool drops by itself
-            if not pid_alive(int(held.get("pid", 0)), held.get("pid_start")):
+            if name in running:
+                continue  # held by a gang listed above
+            if not entry_alive(held):
                 continue  # a dead holder: the pool reclaims it on its next use
             since = datetime.fromtimestamp(float(held["since"]), UTC) if held.get("since") else None
             out.append(Leftover(self.place, "slot-holding", name, **self._whose(name),
@@ -70,8 +68,8 @@ class LocalGangFinder(Finder):
         for name, ticket in sorted((state.get("waiting") or {}).items()):
             if name in running or name in (state.get("holdings") or {}):
                 continue
-            if not pid_alive(int(ticket.get("pid", 0)), ticket.get("pid_start")):
-                continue  # a dead waiter: the pool drops its ticket on its next use
+            if not entry_alive(ticket):
+                continue  # a dead waiter, or a deferred task's ticket that lapsed: the pool drops it
             since = datetime.fromtimestamp(float(ticket["since"]), UTC) if ticket.get("since") else None
             out.append(Leftover(self.place, "queue-ticket", name, **self._whose(name), since=since,
                                 detail={"slots": ticket.get("slots"), "pid": ticket.get("pid")}))

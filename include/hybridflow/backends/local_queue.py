@@ -1,0 +1,130 @@
+"""How a gang gets its slots on a local cluster: a try to admit it, its ticket while its task
+waits deferred, what a waiting gang's trigger may read (admissible now, or by stopping batch
+gangs), and a critical gang stopping batch gangs in its way. Mixed into
+:class:`~hybridflow.backends.local.LocalGangBackend` (``self.pool``, ``self.cancel``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hybridflow.backends.base import INSTANCE_KEY, GangJob, instance_identity
+from hybridflow.backends.errors import GangNotAdmitted
+from hybridflow.backends.local_slots import _atomic_write_json, _read_json
+from hybridflow.errors import GangError
+
+
+def _check_job(job: GangJob) -> None:
+    """The job's name and attempt name folders; a gang has at least one worker."""
+    for label, value in (("job name", job.name), ("attempt", job.attempt)):
+        if not value or "/" in value or value in (".", ".."):
+            raise GangError(
+                f"{label} {value!r} cannot name a folder; use letters, numbers, '-', '_' or '.'"
+            )
+    if job.workers < 1:
+        raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
+
+
+
+class LocalQueue:
+    """The admission half of the local backend."""
+
+    def admit_step(self, job: GangJob, *, since: float | None = None, pid: int | None = None,
+                   preempted: set[str] | None = None, log: Callable[[str], None] = print) -> bool:
+        """One try to admit ``job``: take its slots, or leave its ticket (keeping its place from
+        ``since``); a critical gang also stops batch gangs in its way."""
+        self._note_owner(job)
+        if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
+                                 team_cap=job.team_cap, queue=True, since=since,
+                                 team_outside=job.team_held_outside):
+            return True
+        if job.priority == "critical" and self.critical_preempts_batch and preempted is not None:
+            preempted |= self._preempt_batch(job, preempted, log)
+        return False
+
+    def keep_place(self, job: GangJob, *, since: float, keep_s: float) -> None:
+        """The gang's ticket while its task waits deferred: its place from ``since``, kept ``keep_s``
+        (the task keeps it again each admission window). Takes no slots."""
+        self._note_owner(job)
+        self.pool.keep_ticket(job.name, job.workers, since=since, keep_s=keep_s, priority=job.priority, team=job.team,
+                              team_cap=job.team_cap, team_outside=job.team_held_outside)
+
+    def admission(self, job: GangJob) -> str | None:
+        """What the waiting gang's task may do now, read without changing anything: ``now`` (its slots
+        are free and nobody ranks ahead), ``preempt`` (a critical gang that fits once batch gangs
+        stop: the task stops them), or None (it waits)."""
+        if self.pool.admissible(job.name, job.workers, priority=job.priority, team=job.team, team_cap=job.team_cap,
+                                team_outside=job.team_held_outside):
+            return "now"
+        if job.priority == "critical" and self.critical_preempts_batch and self._batch_to_stop(job):
+            return "preempt"
+        return None
+
+    def _note_owner(self, job: GangJob) -> None:
+        owner = {**job.owner, INSTANCE_KEY: instance_identity()} if job.owner else None
+        if owner and _read_json(self.owner_path(job.name)) != owner:
+            _check_job(job)
+            _atomic_write_json(self.owner_path(job.name), owner)
+
+    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None],
+               queued_since: float | None) -> float:
+        """Wait up to ``admission_timeout_s`` for the gang's slots; returns the seconds it waited
+        since it first queued (``queued_since``, epoch, when an earlier try already waited)."""
+        deadline = time.monotonic() + admission_timeout_s
+        since = queued_since or time.time()
+        announced = False
+        preempted: set[str] = set()
+        try:
+            while not self.admit_step(job, since=since, preempted=preempted, log=log):
+                standing = self.pool.standing(job.name)
+                if time.monotonic() >= deadline:
+                    cap = (f"team {job.team!r} holds its gpu_cap of {job.team_cap} GPUs" if standing.over_team_cap
+                           else standing.describe())
+                    raise GangNotAdmitted(
+                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s on cluster "
+                        f"{self.cluster!r}: {cap}", cluster=self.cluster, over_team_cap=standing.over_team_cap,
+                        queued_since=since, standing=standing,
+                    )
+                if not announced:
+                    why = (f"team {job.team} at its gpu_cap of {job.team_cap}" if standing.over_team_cap
+                           else standing.describe())
+                    log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster} "
+                        f"(priority {job.priority}; {why})")
+                    announced = True
+                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        finally:
+            self.pool.withdraw(job.name)
+        held = self.pool.holdings().get(job.name, {})
+        return max(0.0, time.time() - float(held.get("queued_since") or since))
+
+    def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
+        """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
+        preempted (its train task relaunches it, and it queues behind this critical gang)."""
+        holdings = self.pool.holdings()
+        if any(name in holdings for name in already):
+            return set()  # earlier victims are still shutting down; their slots are on the way
+        victims: set[str] = set()
+        for name, slots in self._batch_to_stop(job, holdings):
+            log(f"gang {job.name} (critical): preempting batch gang {name} ({slots} slots); it checkpoints first")
+            if self.cancel(name):
+                victims.add(name)
+        return victims
+
+    def _batch_to_stop(self, job: GangJob, holdings: dict | None = None) -> list[tuple[str, int]]:
+        """The newest batch gangs whose slots make room for ``job`` (name, slots); none when stopping
+        every batch gang would not be enough."""
+        holdings = self.pool.holdings() if holdings is None else holdings
+        free = self.pool.capacity - sum(int(h["slots"]) for h in holdings.values())
+        batch = sorted(((name, int(h["slots"]), float(h.get("since", 0))) for name, h in holdings.items()
+                        if h.get("priority") == "batch" and name != job.name), key=lambda item: -item[2])
+        if free >= job.workers or free + sum(slots for _, slots, _ in batch) < job.workers:
+            return []
+        chosen = []
+        for name, slots, _ in batch:
+            if free >= job.workers:
+                break
+            chosen.append((name, slots))
+            free += slots
+        return chosen
+
+    # -- run ---
