@@ -95,7 +95,6 @@ BACKEND_INTERNALS_STILL_USED = {
     "conncheck.py": {"hybridflow.backends.k8s.load", "hybridflow.backends.k8s.manifests"},
     "dr/drills/takeover.py": {"hybridflow.backends.k8s.manifests"},
     "nodehealth.py": {"hybridflow.backends.k8s.manifests"},
-    "operators/train.py": {"hybridflow.backends.k8s.manifests", "hybridflow.backends.k8s.trigger"},
     "reaper/k8s.py": {"hybridflow.backends.k8s.backend", "hybridflow.backends.k8s.manifests"},
     "reaper/local.py": {"hybridflow.backends.local"},
 }

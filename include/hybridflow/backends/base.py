@@ -235,6 +235,20 @@ class GangBackend(ABC):
         """Names (sorted) of the gangs running on the cluster whose labels have every ``labels``
         value and none of the ``not_labels`` values (label keys without the ``hybridflow.io/`` prefix)."""
 
+    def gang_name(self, dag_id: str, run_id: str, task_id: str, *, readable: str) -> str:
+        """The name of the gang a task runs here: the same for every try of the task (a retry or a
+        cleared task finds its gang again), unique per run. ``readable`` (``train-<run key>``) is
+        unique on a machine's own state."""
+        return readable
+
+    def wait_trigger(self, name: str, *, submitted_at: float, admitted: bool, queued_since: float,
+                     admission_timeout_s: float, poll_s: float, max_wait_s: float) -> Any:
+        """The trigger that waits, in Airflow's triggerer, for a submitted gang ``name`` for one
+        admission window (and then for its end): it only reads the gang's status and yields one
+        event. Only where the cluster's scheduler runs the gang (not :attr:`supervised_by_task`)."""
+        raise NotImplementedError(f"{type(self).__name__} gangs are supervised by their task: there is nothing "
+                                  "to wait for in the triggerer")
+
     @property
     def supervised_by_task(self) -> bool:
         """The gang's processes are launched and supervised by the train task itself (so it cannot

@@ -152,9 +152,10 @@ class GangTrainOperator(QueueWaits, BaseOperator):
 
         req = job.admitted.request
         training_cfg = estate.pipeline.training
-        self._job_name = f"train-{job.run_key}"
         # The launcher's SIGTERM -> SIGKILL grace is the workers' time to commit a final checkpoint.
         self._backend = gang_backend(job.cluster, estate, settings.state_dir)
+        self._job_name = self._backend.gang_name(job.identity.dag_id, job.identity.run_id, self.task_id,
+                                                 readable=f"train-{job.run_key}")
         # Critical runs are never held by the team's cap (they may preempt batch work instead).
         team_cap = None if req.priority == "critical" else estate.teams[job.admitted.team].gpu_cap
         outside = team_held_outside(estate, settings.state_dir, job.admitted.team) if team_cap else 0
@@ -222,7 +223,6 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         from hybridflow.backends import gang_backend
         from hybridflow.backends.base import MISSING, PENDING, GangJob
         from hybridflow.backends.errors import GangNotAdmitted
-        from hybridflow.backends.k8s.manifests import gang_job_name
         from hybridflow.queueing import hold_for_team_cap
 
         req = job.admitted.request
@@ -230,8 +230,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         backend = gang_backend(job.cluster, estate, settings.state_dir)
         identity = job.identity
         # Deterministic per run, task and cluster: a retry or a cleared task finds its job again.
-        self._job_name = gang_job_name(identity.dag_id, identity.run_id, self.task_id, job.cluster.name,
-                                       readable=f"train-{job.run_key}")
+        self._job_name = backend.gang_name(identity.dag_id, identity.run_id, self.task_id, readable=f"train-{job.run_key}")
         self._backend = backend
         label = f"try-{identity.try_number}"
         gang = GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label}, env=job.env,
@@ -267,7 +266,6 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         """Wait for the submitted gang in the triggerer for one admission window (no worker slot held
         for hours). Where a pending gang stands goes to the run's queue.json first: the trigger only
         waits, it writes nothing."""
-        from hybridflow.backends.k8s.trigger import GangJobTrigger
         from hybridflow.settings import get_settings
 
         cfg = estate.pipeline.training
@@ -277,14 +275,10 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         if not admitted:
             self._note_waiting(job, backend, estate, queued_since, get_settings())
         self.defer(
-            trigger=GangJobTrigger(
-                conn_id=cluster.conn_id, scheduler=cluster.scheduler, namespace=backend.namespace,
-                name=self._job_name, cluster=cluster.name, submitted_at=time.time(),
-                admission_timeout_s=cfg.gang_admission_timeout_s, poll_interval=cfg.kubernetes_poll_s,
-                admitted=admitted, queued_since=queued_since, max_wait_s=cfg.max_queue_wait_s,
-                request_timeout_s=backend.read_timeout_s, api_outage_s=cfg.kubernetes_api_outage_s,
-                max_retry=backend.max_retry,
-            ),
+            trigger=backend.wait_trigger(
+                self._job_name, submitted_at=time.time(), admitted=admitted, queued_since=queued_since,
+                admission_timeout_s=cfg.gang_admission_timeout_s, poll_s=cfg.kubernetes_poll_s,
+                max_wait_s=cfg.max_queue_wait_s),
             method_name="execute_complete",
             kwargs={"placement": job.placement, "staged": {"source": job.spec["source"]}, "attempt": attempt,
                     "started": started},

@@ -57,6 +57,7 @@ from hybridflow.backends.k8s.manifests import (
     VOLCANO_VERSION,
     GangSpec,
     env_secret,
+    gang_job_name,
     gang_manifest,
     rendezvous_service,
 )
@@ -159,6 +160,20 @@ class KubernetesGangBackend(GangBackend):
         if self._hook is None:
             self._hook = kubernetes_hook(self.cluster.conn_id)
         return self._hook
+
+    def gang_name(self, dag_id: str, run_id: str, task_id: str, *, readable: str) -> str:
+        """A DNS-1123 name: ``readable`` as a slug plus a hash of the run's identity and this cluster."""
+        return gang_job_name(dag_id, run_id, task_id, self.cluster.name, readable=readable)
+
+    def wait_trigger(self, name: str, *, submitted_at: float, admitted: bool, queued_since: float,
+                     admission_timeout_s: float, poll_s: float, max_wait_s: float) -> Any:
+        from hybridflow.backends.k8s.trigger import GangJobTrigger
+
+        return GangJobTrigger(
+            conn_id=self.cluster.conn_id, scheduler=self.scheduler, namespace=self.namespace, name=name,
+            cluster=self.cluster.name, submitted_at=submitted_at, admission_timeout_s=admission_timeout_s,
+            poll_interval=poll_s, admitted=admitted, queued_since=queued_since, max_wait_s=max_wait_s,
+            request_timeout_s=self.read_timeout_s, api_outage_s=self.api_outage_s, max_retry=self.max_retry)
 
     def gang_spec(self, job: GangJob, *, pool: str, queue: str, gpus_per_worker: int = 1) -> GangSpec:
         """The manifest input for ``job`` (a GangJob as the train task builds it) on node pool ``pool``."""
