@@ -215,6 +215,8 @@ class QueueWaitTrigger(BaseTrigger):
         give back slots this trigger took for it that no task will come for; the run's queue.json
         says ``stopped``. A task Airflow still has as deferred was not stopped (its wait moved to
         another triggerer): its place is kept. Withdrawing a ticket already gone is harmless."""
+        from hybridflow.backends.task_state import deferred_task_state
+
         state = await deferred_task_state(self.task_instance, self.log, f"gang {self.job['name']}")
         if state == "deferred":
             self.log.info("gang %s keeps its place on %s: the task is still deferred (its wait moved to another "
@@ -230,26 +232,6 @@ class QueueWaitTrigger(BaseTrigger):
                       queued_since=self.queued_since)
         self.log.info("gang %s withdrawn from the queue of %s: the task was stopped by a user", self.job["name"],
                       self.cluster)
-
-
-async def deferred_task_state(ti: Any, log: Any, what: str) -> str | None:
-    """The deferred task's state as Airflow has it now (``ti``: the trigger's task instance); None
-    when it cannot be told (no task instance, or no answer): a cancel is then taken as the user's,
-    as Airflow says it is."""
-    if ti is None:
-        return None
-    try:
-        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
-        from asgiref.sync import sync_to_async
-
-        states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
-            dag_id=ti.dag_id, map_index=ti.map_index, task_ids=[ti.task_id], run_ids=[ti.run_id])
-    except Exception as exc:  # noqa: BLE001 - without an answer the user's stop is honoured
-        log.warning("%s: the task's state could not be read (%s); taking the cancel as a user's stop", what, exc)
-        return None
-    run = states.get(ti.run_id) or {}
-    key = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}_{ti.map_index}"
-    return run.get(key)
 
 
 def fenced_cluster(cluster: str, state_dir: Path) -> str | None:

@@ -190,21 +190,7 @@ class GangJobTrigger(BaseTrigger):
                       self.cluster, "deleted with its pods, Secret and Service" if found else "was already gone")
 
     async def _task_state(self) -> str | None:
-        """The deferred task's state as Airflow has it now; None when it cannot be told (no task
-        instance, or no answer): then the cancel is taken as the user's, as Airflow says it is."""
-        ti = self.task_instance
-        if ti is None:
-            return None
-        try:
-            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
-            from asgiref.sync import sync_to_async
+        """The deferred task's state as Airflow has it now (None when it cannot be told)."""
+        from hybridflow.backends.task_state import deferred_task_state
 
-            states = await sync_to_async(RuntimeTaskInstance.get_task_states)(
-                dag_id=ti.dag_id, map_index=ti.map_index, task_ids=[ti.task_id], run_ids=[ti.run_id])
-        except Exception as exc:  # noqa: BLE001 - without an answer the user's stop is honoured
-            self.log.warning("gang %s: the task's state could not be read (%s); taking the cancel as a user's stop",
-                             self.name, exc)
-            return None
-        run = states.get(ti.run_id) or {}
-        key = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}_{ti.map_index}"
-        return run.get(key)
+        return await deferred_task_state(self.task_instance, self.log, f"gang {self.name}")
