@@ -3,28 +3,14 @@ the CLI refuse a longer one, naming the argument and the limit, before they fenc
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import yaml
+from tests.support.dr_config import config_with_dr
 
 from hybridflow.fencing import down_clusters
-from hybridflow.settings import REPO_ROOT
 
-
-def _config(tmp_path: Path) -> Path:
-    target = tmp_path / "config"
-    shutil.copytree(REPO_ROOT / "config", target)
-    doc = yaml.safe_load((target / "clusters.yaml").read_text())
-    doc["clusters"]["dr-west"] = {
-        "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
-        "dr": {"min_gpus": 2, "peacetime": ["batch"]},
-        "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4}],
-        "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
-    }
-    (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    return target
+_config = config_with_dr
 
 
 @pytest.fixture

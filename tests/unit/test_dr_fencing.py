@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
+from tests.support.dr_config import config_with_dr
 
 from hybridflow.config import Estate, load_estate
 from hybridflow.dr.fencing.drain import fence_and_drain
@@ -19,25 +18,11 @@ from hybridflow.fencing import FencingError, declare_down, down_clusters, fence_
 from hybridflow.placement import PlacementDecision, choose_cluster
 from hybridflow.placement.takeover import PlacementHeld, Takeover
 from hybridflow.request import AdmittedRun
-from hybridflow.settings import REPO_ROOT
 
-SHIPPED = REPO_ROOT / "config"
 REASON = "power loss in dc-1"
 
 
-def _config(tmp_path: Path, with_dr: bool = True) -> Path:
-    target = tmp_path / "config"
-    shutil.copytree(SHIPPED, target)
-    if with_dr:
-        doc = yaml.safe_load((target / "clusters.yaml").read_text())
-        doc["clusters"]["dr-west"] = {
-            "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
-            "dr": {"min_gpus": 2, "peacetime": ["batch"]},
-            "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4}],
-            "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
-        }
-        (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    return target
+_config = config_with_dr
 
 
 @pytest.fixture

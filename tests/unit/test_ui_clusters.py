@@ -13,9 +13,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-import yaml
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from tests.support.dr_config import config_with_dr
 
 from hybridflow.config import Estate, load_estate
 from hybridflow.dr.fencing.failback import declare_up
@@ -35,18 +35,7 @@ DRAIN = {
 
 
 def _estate(tmp_path: Path, with_dr: bool = True) -> Estate:
-    target = tmp_path / "config"
-    shutil.copytree(REPO_ROOT / "config", target)
-    if with_dr:
-        doc = yaml.safe_load((target / "clusters.yaml").read_text())
-        doc["clusters"]["dr-west"] = {
-            "location": "private", "region": "dc-2", "jurisdiction": "eu", "backend": "local", "role": "dr",
-            "dr": {"min_gpus": 2, "peacetime": ["batch"]},
-            "node_pools": [{"name": "a100", "gpu_model": "A100-80GB", "gpu_memory_gib": 80, "gpus": 4}],
-            "prices": {"onprem": 0.80}, "cache": {"conn_id": "hybridflow_dr_west", "bucket": "hf-dr-west"},
-        }
-        (target / "clusters.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    return load_estate(target, use_cache=False)
+    return load_estate(config_with_dr(tmp_path, with_dr), use_cache=False)
 
 
 def _client(source) -> TestClient:
