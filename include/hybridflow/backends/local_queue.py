@@ -25,7 +25,6 @@ def _check_job(job: GangJob) -> None:
         raise GangError(f"gang {job.name!r} needs at least one worker, got {job.workers}")
 
 
-
 class LocalQueue:
     """The admission half of the local backend."""
 
@@ -56,7 +55,8 @@ class LocalQueue:
         if self.pool.admissible(job.name, job.workers, priority=job.priority, team=job.team, team_cap=job.team_cap,
                                 team_outside=job.team_held_outside):
             return "now"
-        if job.priority == "critical" and self.critical_preempts_batch and self._batch_to_stop(job):
+        if job.priority == "critical" and self.critical_preempts_batch and \
+                self._batch_to_stop(job, self.pool.live_holdings()):
             return "preempt"
         return None
 
@@ -110,10 +110,9 @@ class LocalQueue:
                 victims.add(name)
         return victims
 
-    def _batch_to_stop(self, job: GangJob, holdings: dict | None = None) -> list[tuple[str, int]]:
-        """The newest batch gangs whose slots make room for ``job`` (name, slots); none when stopping
-        every batch gang would not be enough."""
-        holdings = self.pool.holdings() if holdings is None else holdings
+    def _batch_to_stop(self, job: GangJob, holdings: dict) -> list[tuple[str, int]]:
+        """The newest batch gangs of ``holdings`` whose slots make room for ``job`` (name, slots); none
+        when stopping every batch gang would not be enough."""
         free = self.pool.capacity - sum(int(h["slots"]) for h in holdings.values())
         batch = sorted(((name, int(h["slots"]), float(h.get("since", 0))) for name, h in holdings.items()
                         if h.get("priority") == "batch" and name != job.name), key=lambda item: -item[2])

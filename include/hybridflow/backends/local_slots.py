@@ -256,6 +256,10 @@ class LocalSlotPool:
         with self._locked() as state:
             return dict(state["holdings"])
 
+    def live_holdings(self) -> dict[str, dict]:
+        """The holdings of live holders, read without reclaiming the dead ones (nothing is written)."""
+        return self._snapshot()["holdings"]
+
     def waiting(self) -> dict[str, dict]:
         with self._locked() as state:
             return dict(state["waiting"])
