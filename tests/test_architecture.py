@@ -89,30 +89,42 @@ def test_the_queue_wait_trigger_only_reads_while_it_waits():
     assert not found, f"QueueWaitTrigger changes the queue while it waits: {found}"
 
 
-# Modules outside backends/ that still reach into one backend's own modules, and what they take.
-# The gang backend contract (backends.base) is to replace each; the list may only shrink.
-BACKEND_INTERNALS_STILL_USED = {
-    "conncheck.py": {"hybridflow.backends.k8s.load", "hybridflow.backends.k8s.manifests"},
-    "dr/drills/takeover.py": {"hybridflow.backends.k8s.manifests"},
-    "nodehealth.py": {"hybridflow.backends.k8s.manifests"},
-    "reaper/k8s.py": {"hybridflow.backends.k8s.backend", "hybridflow.backends.k8s.manifests"},
-    "reaper/local.py": {"hybridflow.backends.local"},
-}
-
-
-def test_no_new_module_reaches_into_a_backend_s_internals():
+def test_no_module_outside_backends_reaches_into_a_backend_s_own_modules():
+    """The operator, DR, metering, node health, admission and the reaper talk to a cluster through the
+    gang backend contract (backends.base and the package's choosers), never a backend's own modules."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if unit_of(path) == "backends":
             continue
         taken = {m for m in imported_modules(path) if m.startswith(("hybridflow.backends.k8s", "hybridflow.backends.local"))}
         if taken:
-            found[str(path.relative_to(PACKAGE))] = taken
-    new = {f: sorted(m - BACKEND_INTERNALS_STILL_USED.get(f, set())) for f, m in found.items()}
-    assert not {f: m for f, m in new.items() if m}, (
-        f"use the gang backend contract (backends.base, backends.errors, backends.gang_backend) instead: {new}")
-    gone = {f: sorted(m - found.get(f, set())) for f, m in BACKEND_INTERNALS_STILL_USED.items()}
-    assert not {f: m for f, m in gone.items() if m}, f"no longer used, drop from the list: {gone}"
+            found[str(path.relative_to(PACKAGE))] = sorted(taken)
+    assert not found, f"use the gang backend contract (hybridflow.backends, backends.base, backends.errors): {found}"
+
+
+# Where the kind of a cluster's backend may be compared with a name: the backends, and the one model
+# that declares what each kind offers (Cluster.runs_pods, Cluster.on_this_machine).
+BACKEND_NAMED_IN = ("backends/", "config/clusters.py")
+
+
+def test_no_module_outside_backends_branches_on_a_backend_s_name():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        if where.startswith(BACKEND_NAMED_IN):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and _names_a_backend(node):
+                offenders.append(f"{where}:{node.lineno}")
+    assert not offenders, ("ask the cluster what its backend offers (runs_pods, on_this_machine) or its "
+                           f"GangBackend, instead of comparing its backend's name: {offenders}")
+
+
+def _names_a_backend(node: ast.Compare) -> bool:
+    sides = [node.left, *node.comparators]
+    backend = any(isinstance(s, ast.Attribute) and s.attr == "backend" for s in sides)
+    named = any(isinstance(s, ast.Constant) and s.value in ("local", "kubernetes") for s in sides)
+    return backend and named
 
 
 def test_placement_is_asked_only_through_its_entry():

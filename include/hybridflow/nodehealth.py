@@ -29,7 +29,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -37,17 +36,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hybridflow.backends.k8s.manifests import GANG_LABEL  # on every pod of a gang job
+from hybridflow.backends import node_actions
 from hybridflow.metering.collect import NodeFinding
 
 __all__ = ["NodeFinding", "NodeDecision", "decide", "report_findings", "clear_node", "restore_node",
-           "KubernetesNodeActions",
-           "TAINT_KEY", "GANG_LABEL", "PROBE_FAILURES_TO_CORDON"]
+           "PROBE_FAILURES_TO_CORDON"]
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "nodehealth.json"
-TAINT_KEY = "hybridflow.io/gpu-unhealthy"
 PROBE_FAILURES_TO_CORDON = 2
 
 
@@ -132,58 +129,6 @@ def clear_node(cluster: str, node: str, *, state_path: Path | None = None) -> bo
 
 # --- Kubernetes actions ------------------------------------------------------------------------
 
-_TAINT_VALUE_RE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-class KubernetesNodeActions:
-    """Cordon, taint and restart gangs on one Kubernetes cluster through the provider's hook."""
-
-    def __init__(self, hook: Any, namespace: str) -> None:
-        self.hook = hook
-        self.namespace = namespace
-
-    def cordon(self, node: str, reason: str) -> list[str]:
-        core = self.hook.core_v1_client
-        taints_now = core.read_node(name=node).spec.taints or []
-        value = _TAINT_VALUE_RE.sub("-", reason)[:63].strip("-._") or "unhealthy"
-        patch = node_cordon_patch(node, value, [_taint_dict(t) for t in taints_now])
-        core.patch_node(name=node, body=patch)
-        return [f"cordoned {node}", f"tainted {node} {TAINT_KEY}={value}:NoSchedule"]
-
-    def uncordon(self, node: str) -> list[str]:
-        """Make a repaired node schedulable again: lift the cordon and our taint (others stay)."""
-        core = self.hook.core_v1_client
-        taints = [_taint_dict(t) for t in core.read_node(name=node).spec.taints or []]
-        kept = [t for t in taints if t.get("key") != TAINT_KEY]
-        core.patch_node(name=node, body={"spec": {"unschedulable": False, "taints": kept}})
-        return [f"uncordoned {node}"] + ([f"removed taint {TAINT_KEY} from {node}"] if len(kept) < len(taints) else [])
-
-    def restart_gangs_on(self, node: str) -> list[str]:
-        core = self.hook.core_v1_client
-        pods = core.list_namespaced_pod(namespace=self.namespace, field_selector=f"spec.nodeName={node}")
-        gangs = sorted({(p.metadata.labels or {}).get(GANG_LABEL) for p in pods.items} - {None})
-        done = []
-        for gang in gangs:
-            members = core.list_namespaced_pod(namespace=self.namespace, label_selector=f"{GANG_LABEL}={gang}")
-            for pod in members.items:
-                core.delete_namespaced_pod(name=pod.metadata.name, namespace=self.namespace)
-            done.append(f"restarted gang {gang} ({len(members.items)} pods deleted)")
-        return done
-
-
-def _taint_dict(taint: Any) -> dict:
-    return {k: v for k, v in (("key", taint.key), ("value", taint.value), ("effect", taint.effect)) if v is not None}
-
-
-def node_cordon_patch(node: str, reason: str, existing_taints: list[dict]) -> dict:
-    """The Node patch that cordons and taints ``node``; other taints are kept (the taint list is
-    replaced as a whole by a patch, so it must carry them)."""
-    taints = [t for t in existing_taints if t.get("key") != TAINT_KEY]
-    taints.append({"key": TAINT_KEY, "value": reason, "effect": "NoSchedule"})
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
-            "spec": {"unschedulable": True, "taints": taints}}
-
-
 def _default_hook(conn_id: str) -> Any:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
@@ -203,8 +148,9 @@ def restore_node(cluster_name: str, node: str, *, estate: Any = None, state_path
     if cluster is None:
         raise ValueError(f"cluster {cluster_name!r} is not in clusters.yaml; use one of: {', '.join(sorted(estate.clusters))}")
     done = []
-    if cluster.backend == "kubernetes":
-        done += KubernetesNodeActions(hook_factory(cluster.conn_id), cluster.k8s_namespace).uncordon(node)
+    actions = node_actions(cluster, hook_factory)
+    if actions is not None:
+        done += actions.uncordon(node)
     known = clear_node(cluster_name, node, state_path=state_path)
     return done + [f"cleared the unhealthy mark of {cluster_name}/{node}" if known
                    else f"{cluster_name}/{node} had no unhealthy mark"]
@@ -232,7 +178,7 @@ def report_findings(
         estate = load_estate(get_settings().config_dir)
     stamp = (now or datetime.now(UTC)).isoformat()
     decisions: list[NodeDecision] = []
-    hooks: dict[str, KubernetesNodeActions] = {}
+    hooks: dict[str, Any] = {}
     with _locked_state(state_path or _state_path()) as state:
         for finding in findings:
             nodes = state.setdefault(finding.cluster, {})
@@ -253,16 +199,16 @@ def report_findings(
 
 
 def _act(estate: Any, cluster_name: str, node: str, reason: str, hook_factory: Callable[[str], Any],
-         hooks: dict[str, KubernetesNodeActions]) -> list[str] | None:
+         hooks: dict[str, Any]) -> list[str] | None:
     cluster = estate.clusters.get(cluster_name)
-    if cluster is None or cluster.backend != "kubernetes":
+    if cluster is None or not cluster.runs_pods:
         # Local clusters have no scheduler to steer: the decision is the record.
         log.warning("node %s/%s is unhealthy (%s); recorded (no cordon on a %s cluster)", cluster_name, node,
                     reason, "unknown" if cluster is None else cluster.backend)
         return ["recorded"]
     try:
         if cluster_name not in hooks:
-            hooks[cluster_name] = KubernetesNodeActions(hook_factory(cluster.conn_id), cluster.k8s_namespace)
+            hooks[cluster_name] = node_actions(cluster, hook_factory)
         actions = hooks[cluster_name]
         done = actions.cordon(node, reason) + actions.restart_gangs_on(node)
     except Exception as exc:  # noqa: BLE001 - the API may be down; retry the action on the next pass

@@ -14,6 +14,7 @@ import yaml
 from tests.k8s_real.conftest import CONN_ID, until
 from tests.unit.test_dr_drill import RUN, _config, _primary_with_replicas, ledger  # noqa: F401 - ledger: a fixture
 
+from hybridflow.backends import gang_backend
 from hybridflow.config import load_estate
 from hybridflow.dr.drills import drill as drills
 from hybridflow.dr.drills.takeover import gang_name, start_training
@@ -77,7 +78,7 @@ def _drill(real, agent, tmp_path: Path, bucket: str) -> None:
     _primary_with_replicas(settings, estate)
 
     plan = drills.make_plan(estate, "drill-real", {"extra_steps": 8})
-    name = gang_name("drill-real", plan.dr)
+    name = gang_name("drill-real", gang_backend(plan.dr, estate, settings.state_dir))
     seen = len(agent.exits)
     drills.declare(plan, estate, settings, by="ops")
     taken = drills.take_over(plan, estate, settings)

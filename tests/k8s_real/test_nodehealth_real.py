@@ -9,8 +9,9 @@ import pytest
 from tests.k8s_real.conftest import real_cluster, until
 
 from hybridflow.backends.k8s.backend import RUNNING, KubernetesGangBackend
+from hybridflow.backends.k8s.nodes import TAINT_KEY
 from hybridflow.backends.local import GangJob
-from hybridflow.nodehealth import TAINT_KEY, NodeFinding, report_findings, restore_node
+from hybridflow.nodehealth import NodeFinding, report_findings, restore_node
 
 
 class _Estate:

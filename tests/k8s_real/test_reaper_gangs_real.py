@@ -17,7 +17,7 @@ from tests.support.reaper_states import RunStates, train_owner
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import INSTANCE_LABEL, env_secret, gang_job_name
 from hybridflow.backends.local import GangJob
-from hybridflow.reaper.k8s import KubernetesGangFinder
+from hybridflow.reaper.gangs import GangFinder
 from hybridflow.reaper.liveness import ALIVE, ENDED
 from hybridflow.reaper.owners import owner_annotations
 from hybridflow.reaper.sweep import sweep
@@ -59,7 +59,7 @@ def test_gangs_of_ended_tasks_are_deleted_with_their_pods_and_live_ones_kept(rea
     core.create_namespaced_secret(real.ns, secret)
     core.create_namespaced_secret(real.ns, env_secret("unowned-env", real.ns, {"K": "v"}, "unowned"))
     core.create_namespaced_secret(real.ns, {"metadata": {"name": "not-ours"}, "stringData": {"K": "v"}})
-    finder = KubernetesGangFinder(cluster, timeout_s=10)
+    finder = GangFinder(backend)
     states = RunStates({DONE: ENDED, LIVE: ALIVE, GONE: ENDED, THEIRS: ENDED})
     now = datetime.now(UTC)
 

@@ -15,6 +15,7 @@ import yaml
 from tests.support.dr_drill_k8s import KUBERNETES_DR, POOL, SERVING_NS, dr_simulator, serve_on_kubernetes
 from tests.unit.test_dr_drill import RUN, _config, _primary_with_replicas, ledger  # noqa: F401 - ledger: a fixture
 
+from hybridflow.backends import gang_backend
 from hybridflow.config import load_estate
 from hybridflow.dr.drills import drill as drills
 from hybridflow.dr.drills.report import DrillError, read_report
@@ -95,7 +96,7 @@ def test_a_drill_on_a_kubernetes_dr_cluster_resumes_training_there_and_fail_back
     estate = load_estate(settings.config_dir, use_cache=False)
     with dr_simulator(monkeypatch, tmp_path) as dr:
         plan = drills.make_plan(estate, "drill-k8s", {"extra_steps": 8})
-        name = gang_name("drill-k8s", plan.dr)
+        name = gang_name("drill-k8s", gang_backend(plan.dr, estate, settings.state_dir))
         drills.declare(plan, estate, settings, by="ops")
 
         taken = drills.take_over(plan, estate, settings)

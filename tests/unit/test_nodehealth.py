@@ -10,13 +10,12 @@ import kubernetes_validate
 import pytest
 from tests.support.k8s_sim import SimCluster, install
 
+from hybridflow.backends.k8s.manifests import GANG_LABEL
+from hybridflow.backends.k8s.nodes import TAINT_KEY, node_cordon_patch
 from hybridflow.config import load_estate
 from hybridflow.nodehealth import (
-    GANG_LABEL,
-    TAINT_KEY,
     NodeFinding,
     clear_node,
-    node_cordon_patch,
     read_state,
     report_findings,
     restore_node,

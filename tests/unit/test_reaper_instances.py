@@ -15,8 +15,8 @@ from hybridflow.backends.base import GangJob, instance_identity
 from hybridflow.backends.local import LocalGangBackend
 from hybridflow.errors import ConfigError
 from hybridflow.reaper.base import Finder, Leftover, Owner
+from hybridflow.reaper.gangs import GangFinder
 from hybridflow.reaper.liveness import ENDED
-from hybridflow.reaper.local import LocalGangFinder
 from hybridflow.reaper.serial import sweep_from_dict, sweep_to_dict
 from hybridflow.reaper.sweep import sweep
 from hybridflow.reaper.task import record
@@ -107,7 +107,7 @@ def test_a_local_sweep_releases_only_its_own_instance_s_gangs(tmp_path, monkeypa
     assert json.loads(backend.owner_path("train-theirs").read_text()) == {**train_owner("train-theirs"),
                                                                            "instance": OTHER}
     monkeypatch.setenv("HYBRIDFLOW_INSTANCE", MINE)
-    finder = LocalGangFinder(backend)
+    finder = GangFinder(backend)
     states = RunStates(dict.fromkeys(("train-mine", "train-theirs", "train-legacy", "train-theirs-queued"), ENDED))
 
     done = sweep([finder], states, dry_run=lambda _: False, now=NOW, clock=lambda: NOW)

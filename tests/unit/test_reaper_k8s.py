@@ -19,7 +19,7 @@ from tests.unit.test_k8s_backend import _cluster
 from hybridflow.backends.k8s.backend import KubernetesGangBackend
 from hybridflow.backends.k8s.manifests import GANG_LABEL, INSTANCE_LABEL, env_secret, gang_job_name
 from hybridflow.backends.local import GangJob
-from hybridflow.reaper.k8s import KubernetesGangFinder
+from hybridflow.reaper.gangs import GangFinder
 from hybridflow.reaper.liveness import ALIVE, ENDED
 from hybridflow.reaper.owners import owner_annotations
 from hybridflow.reaper.sweep import sweep
@@ -86,7 +86,7 @@ def test_gangs_of_ended_tasks_are_deleted_and_live_ones_kept(sim, scheduler):
     core.create_namespaced_secret(namespace=NS, body=env_secret("unowned-env", NS, {"K": "v"}, "unowned",
                                                                 instance=MINE))
     core.create_namespaced_secret(namespace=NS, body={"metadata": {"name": "not-ours"}, "stringData": {}})
-    finder = KubernetesGangFinder(cluster, timeout_s=5)
+    finder = GangFinder(KubernetesGangBackend(cluster, image=""))
     states = RunStates({"scheduled__2026-03-01T10:00:00+00:00": ENDED, "manual__2026-03-01T11:00:00+00:00": ALIVE,
                         "manual__gone": ENDED})
     now = datetime.now(UTC)
@@ -117,7 +117,7 @@ def test_a_pod_whose_job_is_gone_is_deleted(sim):
     assert len(sim.pods) == 2
     now = datetime.now(UTC)
     # The pods go on that fact alone, whatever their owner's state; the Secret by its owner's.
-    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], RunStates({"manual__2026-03-01T09:00:00+00:00": ALIVE}),
+    swept = sweep([GangFinder(KubernetesGangBackend(cluster, image=""))], RunStates({"manual__2026-03-01T09:00:00+00:00": ALIVE}),
                   dry_run=lambda _: False, now=now, clock=lambda: now)
     assert sorted(r.leftover.kind for r in swept.releases) == ["gang-pod", "gang-pod"]
     assert all(r.released and r.leftover.gpus == 1 for r in swept.releases)
@@ -127,7 +127,7 @@ def test_a_pod_whose_job_is_gone_is_deleted(sim):
 def test_an_unreachable_cluster_is_an_error_of_the_sweep(sim):
     sim.unreachable = True
     now = datetime.now(UTC)
-    swept = sweep([KubernetesGangFinder(_cluster("kueue"), timeout_s=5)], RunStates({}), dry_run=lambda _: False,
+    swept = sweep([GangFinder(KubernetesGangBackend(_cluster("kueue"), image=""))], RunStates({}), dry_run=lambda _: False,
                   now=now, clock=lambda: now)
     assert swept.releases == [] and "Connection refused" in swept.errors["cloud-east"]
 
@@ -156,7 +156,7 @@ def test_only_this_instance_s_gangs_are_judged_and_the_others_reported(sim, sche
     states = RunStates(dict.fromkeys(("manual__mine", "manual__theirs", "manual__legacy"), ENDED))
     now = datetime.now(UTC)
 
-    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], states, dry_run=lambda _: False, now=now,
+    swept = sweep([GangFinder(KubernetesGangBackend(cluster, image=""))], states, dry_run=lambda _: False, now=now,
                   clock=lambda: now)
     assert [(r.leftover.kind, r.leftover.name, r.released) for r in swept.releases] == [("gang-job", mine, True)]
     assert {lo.name: lo.skip for lo in swept.skipped} == {
@@ -177,7 +177,7 @@ def test_another_instance_s_pods_and_secret_stay_when_its_job_is_gone(sim):
     sim.run(3)
     backend.hook.batch_v1_client.delete_namespaced_job(name=theirs, namespace=NS)  # orphans its pods
     now = datetime.now(UTC)
-    swept = sweep([KubernetesGangFinder(cluster, timeout_s=5)], RunStates({"manual__theirs": ENDED}),
+    swept = sweep([GangFinder(KubernetesGangBackend(cluster, image=""))], RunStates({"manual__theirs": ENDED}),
                   dry_run=lambda _: False, now=now, clock=lambda: now)
     assert swept.releases == [] and swept.kept == 0
     assert sorted(lo.kind for lo in swept.skipped) == ["gang-pod", "gang-pod", "gang-secret"]

@@ -15,8 +15,8 @@ from tests.unit.test_local_backend import _in_thread, _wait_for, fake_worker  # 
 from hybridflow.backends.base import GangJob
 from hybridflow.backends.errors import GangStopped
 from hybridflow.backends.local import LocalGangBackend
+from hybridflow.reaper.gangs import GangFinder
 from hybridflow.reaper.liveness import ALIVE, ENDED
-from hybridflow.reaper.local import LocalGangFinder
 from hybridflow.reaper.states import Judgement
 from hybridflow.reaper.sweep import sweep
 
@@ -53,7 +53,7 @@ def test_local_gangs_and_holdings_of_ended_runs_are_released_and_live_ones_kept(
         _wait_for(lambda: {g["name"] for g in backend.running_gangs()} == {"train-done", "train-live"})
         _wait_for(lambda: _handles_sigterm(backend, "train-done"))
         assert backend.admit_step(GangJob(name="train-held", workers=1, spec={}, owner=_owner("held")))
-        finder = LocalGangFinder(backend)
+        finder = GangFinder(backend)
         states = RunStates({"done": ENDED, "live": ALIVE, "held": ENDED})
         now = datetime.now(UTC)
 
@@ -86,7 +86,7 @@ def test_a_gang_without_an_owner_is_kept(tmp_path, fake_worker):  # noqa: F811
     try:
         _wait_for(lambda: backend.running_gangs())
         now = datetime.now(UTC)
-        done = sweep([LocalGangFinder(backend)], RunStates({}), dry_run=lambda _: False, now=now, clock=lambda: now)
+        done = sweep([GangFinder(backend)], RunStates({}), dry_run=lambda _: False, now=now, clock=lambda: now)
         assert done.releases == [] and done.kept == 1
         time.sleep(0.1)
         assert backend.running_gangs()
@@ -105,7 +105,7 @@ def test_queue_tickets_of_ended_runs_are_withdrawn_and_live_ones_kept(tmp_path):
     backend.pool.release("busy")
     small = GangJob(name="train-small", workers=1, spec={})
     assert not backend.pool.try_acquire(small.name, small.workers)  # the pool is empty, yet it waits
-    finder = LocalGangFinder(backend)
+    finder = GangFinder(backend)
     states = RunStates({"done": ENDED, "live": ALIVE})
     now = datetime.now(UTC)
 

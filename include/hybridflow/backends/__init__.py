@@ -8,12 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridflow.backends.base import ClusterLoad, GangBackend, GangJob, QueueStanding
+from hybridflow.backends.base import (
+    ClusterLoad,
+    ConnectionProblem,
+    GangBackend,
+    GangJob,
+    GangRemnant,
+    QueueStanding,
+)
 
 if TYPE_CHECKING:
     from hybridflow.config import Cluster, Estate
 
-__all__ = ["ClusterLoad", "GangBackend", "GangJob", "QueueStanding", "estate_load", "gang_backend"]
+__all__ = ["ClusterLoad", "ConnectionProblem", "GangBackend", "GangJob", "GangRemnant", "QueueStanding", "estate_load",
+           "gang_backend", "node_actions", "probe_connection"]
 
 
 def gang_backend(cluster: Cluster, estate: Estate, state_dir: Path, *, hook: Any = None) -> GangBackend:
@@ -35,6 +43,27 @@ def gang_backend(cluster: Cluster, estate: Estate, state_dir: Path, *, hook: Any
 
     return LocalGangBackend(state_dir, cluster.name, cluster.total_gpus, grace_s=training.preemption_grace_s,
                             critical_preempts_batch=estate.pipeline.admission.critical_preempts_batch)
+
+
+def probe_connection(cluster: Cluster, timeout_s: float) -> ConnectionProblem | None:
+    """Why ``cluster``'s backend cannot reach the cluster now (its Connection, credentials, API server),
+    with the fix; None when it answers within ``timeout_s``, or runs its gangs on this machine."""
+    if cluster.backend == "kubernetes":
+        from hybridflow.backends.k8s.probe import probe
+
+        return probe(cluster, timeout_s)
+    return None
+
+
+def node_actions(cluster: Cluster, hook_factory: Any) -> Any:
+    """What steers ``cluster``'s scheduler away from an unhealthy node (``cordon(node, reason)``,
+    ``restart_gangs_on(node)``, ``uncordon(node)``; each returns what it did), through the hook
+    ``hook_factory(conn_id)`` makes; None where there is no scheduler to steer (gangs run on this machine)."""
+    if cluster.backend == "kubernetes":
+        from hybridflow.backends.k8s.nodes import KubernetesNodeActions
+
+        return KubernetesNodeActions(hook_factory(cluster.conn_id), cluster.k8s_namespace)
+    return None
 
 
 def estate_load(estate: Estate, state_dir: Path) -> dict[str, ClusterLoad]:

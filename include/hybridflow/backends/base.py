@@ -20,6 +20,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from hybridflow.errors import ConfigError
@@ -95,6 +96,46 @@ class GangJob:
     @property
     def team(self) -> str | None:
         return self.labels.get("team")
+
+
+def owner_from_annotations(annotations: Mapping[str, str] | None) -> dict[str, str]:
+    """The owner keys named by :func:`owner_annotations` (empty when they name none)."""
+    annotations = annotations or {}
+    found = {k: annotations.get(f"hybridflow.io/{k.replace('_', '-')}") for k in OWNER_KEYS}
+    return {k: str(v) for k, v in found.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ConnectionProblem:
+    """Why the cluster's Connection cannot be used now, and what to change."""
+
+    cluster: str
+    conn_id: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"cluster {self.cluster} (Connection {self.conn_id}): {self.problem}; {self.fix}"
+
+
+@dataclass(frozen=True)
+class GangRemnant:
+    """Something a backend made for a gang that is there now: the gang itself, or a part of one whose
+    gang is gone (a Kubernetes pod or Secret, a local slot holding or queue ticket). The resource
+    reaper judges it by ``owner`` (the keys of :data:`OWNER_KEYS` as the gang carries them; empty:
+    it names none) and ``instance`` (the Airflow instance that made it), and releases it with
+    :meth:`GangBackend.clear`."""
+
+    kind: str  # gang-job, gang-pod, gang-secret (Kubernetes); local-gang, slot-holding, queue-ticket (local)
+    name: str
+    owner: Mapping[str, str] = field(default_factory=dict)
+    instance: str | None = None
+    gpus: int = 0  # GPUs it holds now
+    since: datetime | None = None
+    reason: str = ""  # why it is a leftover without an owner (e.g. its gang job is gone)
+    detail: dict = field(default_factory=dict, compare=False)
+    # How to hand one that names no instance to instance "{instance}" (filled in by the reader).
+    handover: str = ""
 
 
 @dataclass(frozen=True)
@@ -234,6 +275,21 @@ class GangBackend(ABC):
     def find_gangs(self, labels: Mapping[str, str], *, not_labels: Mapping[str, str] | None = None) -> list[str]:
         """Names (sorted) of the gangs running on the cluster whose labels have every ``labels``
         value and none of the ``not_labels`` values (label keys without the ``hybridflow.io/`` prefix)."""
+
+    @abstractmethod
+    def remnants(self) -> list[GangRemnant]:
+        """Every gang, and every part of a gang whose gang is gone, that this backend made on the
+        cluster, found by the product's own labels or state files only. Read-only."""
+
+    @abstractmethod
+    def clear(self, remnant: GangRemnant, reason: str) -> None:
+        """Release ``remnant`` (a gang is stopped for good with ``reason``, with what it holds); one
+        already gone is not an error."""
+
+    def check_job(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> None:
+        """Refuse ``job`` before anything is started or deleted when this backend could not run it
+        (on node pool ``pool``, in queue ``queue``), naming the field; nothing to check by default."""
+        return None
 
     def gang_name(self, dag_id: str, run_id: str, task_id: str, *, readable: str) -> str:
         """The name of the gang a task runs here: the same for every try of the task (a retry or a

@@ -44,6 +44,7 @@ from hybridflow.backends.base import (
     ClusterLoad,
     GangBackend,
     GangJob,
+    GangRemnant,
     GangStatus,
     QueueStanding,
 )
@@ -380,6 +381,16 @@ class LocalGangBackend(LocalQueue, GangBackend):
                 out.append({"name": path.parent.name, "attempt": record.get("attempt"),
                             "labels": record.get("labels") or {}})
         return out
+
+    def remnants(self) -> list[GangRemnant]:
+        from hybridflow.backends.local_remnants import remnants
+
+        return remnants(self)
+
+    def clear(self, remnant: GangRemnant, reason: str) -> None:
+        from hybridflow.backends.local_remnants import clear
+
+        clear(self, remnant, reason)
 
     def stop(self, job_name: str, reason: str) -> bool:
         """Stop a running gang for good: like :meth:`cancel` (SIGTERM, the workers checkpoint), but

@@ -92,7 +92,7 @@ def _check_dr_serving(at: str, c: Cluster) -> list[str]:
     serving = c.dr.serving if c.dr is not None else None
     if serving is None:
         return []
-    if c.backend != "kubernetes":
+    if not c.runs_pods:
         return [f"{at}: only used with backend: kubernetes (a local DR cluster serves through the model gateway); "
                 "remove it or set backend: kubernetes"]
     pools = [p.name for p in c.node_pools]
@@ -108,7 +108,7 @@ def _check_backend(at: str, c: Cluster) -> list[str]:
     def bad(keys: str, msg: str) -> None:
         problems.append(f"{keys}: {msg}")
 
-    if c.backend != "kubernetes":
+    if not c.runs_pods:
         for key in ("conn_id", "scheduler", "namespace", "image", "scratch_claim", "nccl_socket_ifname"):
             if getattr(c, key) is not None:
                 bad(
@@ -174,7 +174,7 @@ def _check_node_pools(at: str, c: Cluster, pf: ProjectsFile) -> list[str]:
             )
         if pool.spot and c.location == "private":
             bad(f"{p_at}.spot", "spot capacity exists only on public clusters; set spot: false")
-        if pool.node_labels and c.backend != "kubernetes":
+        if pool.node_labels and not c.runs_pods:
             bad(f"{p_at}.node_labels", "only used with backend: kubernetes; remove it")
         if pool.pricing is not None:
             allowed = ("onprem", "reserved") if c.is_private else ("on_demand", "reserved", "spot")
@@ -200,14 +200,14 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
     problems: list[str] = []
     primary, replica = c.checkpoint_places
     for key, place in (("checkpoint_store", primary), ("checkpoint_replica", replica)):
-        if c.backend == "kubernetes" and place == "private":
+        if c.runs_pods and place == "private":
             problems.append(
                 f"{at}.{key}: the pods of a kubernetes cluster cannot reach private storage; use 'cache' "
                 "(the cluster's bucket) or 'scratch' (its scratch_claim volume)"
             )
         elif place == "cache" and c.cache is None:
             problems.append(f"{at}.{key}: 'cache' needs a cache: {{conn_id, bucket}}; add one or use 'private'")
-        elif place == "cache" and c.is_private and c.backend == "local":
+        elif place == "cache" and c.is_private and c.on_this_machine:
             problems.append(
                 f"{at}.{key}: checkpoints of a private cluster may hold restricted data and never go to a "
                 "cloud cache; use 'private' or 'scratch'"
@@ -218,7 +218,7 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
             f"{at}.checkpoint_replica: {replica!r} is also checkpoint_store; the latest checkpoint is kept "
             f"in two different places: use one of {other}"
         )
-    if c.backend == "kubernetes" and "scratch" in (primary, replica):
+    if c.runs_pods and "scratch" in (primary, replica):
         if not c.scratch_claim:
             problems.append(
                 f"{at}.scratch_claim: checkpoints on 'scratch' need the PersistentVolumeClaim of the "
@@ -229,7 +229,7 @@ def _check_checkpoint_places(at: str, c: Cluster) -> list[str]:
                 f"{at}.scratch_dir: {c.scratch_dir!r} must be the absolute path scratch_claim is mounted at "
                 "in the gang's pods, e.g. /scratch"
             )
-    elif c.backend == "kubernetes" and c.scratch_claim is not None:
+    elif c.runs_pods and c.scratch_claim is not None:
         problems.append(f"{at}.scratch_claim: only used when a checkpoint place is 'scratch'; remove it")
     if c.scratch_dir is not None and "scratch" not in (primary, replica):
         problems.append(
@@ -251,8 +251,8 @@ def _check_serving(path: Path, serving: ServingSettings, cf: ClustersFile) -> li
         return []
     at = f"{path}: serving.kubernetes"
     cluster = cf.clusters.get(k8s.cluster)
-    if cluster is None or cluster.backend != "kubernetes" or not cluster.is_private:
-        fit = ", ".join(n for n, c in cf.clusters.items() if c.backend == "kubernetes" and c.is_private) or "none"
+    if cluster is None or not cluster.runs_pods or not cluster.is_private:
+        fit = ", ".join(n for n, c in cf.clusters.items() if c.runs_pods and c.is_private) or "none"
         return [f"{at}.cluster: {k8s.cluster!r} is not a private cluster with backend kubernetes in "
                 f"{CLUSTERS_FILE} (the private inference pool); use one of: {fit}"]
     problems = []
@@ -301,7 +301,7 @@ def _check_metering(path: Path, metering: MeteringSettings, cf: ClustersFile) ->
         cluster = cf.clusters.get(name)
         if cluster is None:
             problems.append(f"{at}: no such cluster in {CLUSTERS_FILE}; use one of: {', '.join(sorted(cf.clusters))}")
-        elif source.source == "local" and cluster.backend != "local":
+        elif source.source == "local" and not cluster.on_this_machine:
             problems.append(
                 f"{at}.source: 'local' reads the local backend's slots, but {name} has backend "
                 f"{cluster.backend!r}; use 'exporters' or 'prometheus'"

@@ -123,6 +123,19 @@ class Cluster(_Model):
             return {**data, "role": "elastic"}
         return data
 
+    # What a backend kind offers, declared here once: code outside config/ and backends/ asks these
+    # (or the cluster's GangBackend) instead of naming a backend.
+    @property
+    def runs_pods(self) -> bool:
+        """Its gangs run as pods through the cluster's API: a Connection, a namespace, an image, claims
+        for scratch and models, node labels; nothing of them is on the Airflow worker's machine."""
+        return self.backend == "kubernetes"
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Its gangs run as processes of the Airflow worker's machine: its scratch folder and slots are here."""
+        return self.backend == "local"
+
     @property
     def is_dr(self) -> bool:
         return self.role == "dr"

@@ -59,7 +59,7 @@ def source_of(cluster: Cluster, metering: MeteringSettings) -> MeteringCluster |
     configured = metering.clusters.get(cluster.name)
     if configured is not None:
         return configured
-    return MeteringCluster(source="local") if cluster.backend == "local" else None
+    return MeteringCluster(source="local") if cluster.on_this_machine else None
 
 
 def read_cluster(cluster: Cluster, metering: MeteringSettings, *, window_end: datetime,

@@ -75,7 +75,7 @@ class LocalSlotExporter:
 
     def __init__(self, state_dir: Path, cluster: Cluster, *, node: str | None = None,
                  idle_w: float = 60.0, busy_w: float = 400.0) -> None:
-        if cluster.backend != "local":
+        if not cluster.on_this_machine:
             raise ValueError(f"cluster {cluster.name!r} has backend {cluster.backend!r}; the stand-in "
                              "exporter is for local clusters only (scrape the real dcgm-exporter there)")
         if not 0 <= idle_w <= busy_w:

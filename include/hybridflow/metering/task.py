@@ -84,7 +84,7 @@ def meter_cluster(cluster_name: str, *, window_start: datetime, window_end: date
         log.warning("metering skipped: %s", reading.skipped)
         return summary
     store, report = sinks or default_sinks()
-    namespaces = {c.k8s_namespace for c in estate.clusters.values() if c.backend == "kubernetes"}
+    namespaces = {c.k8s_namespace for c in estate.clusters.values() if c.runs_pods}
     owners = attribute(reading.samples, known_runs(settings.private_root), namespaces,
                        known_gangs(settings.private_root))
     summary["attributed"] = len(owners)

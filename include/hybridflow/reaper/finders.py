@@ -49,21 +49,16 @@ def _builders(cluster, estate, settings, config, states) -> list[tuple[str, Call
     builders = [("gang", lambda: [_gang_finder(cluster, estate, settings)])]
     if cluster.cache is not None:
         builders.append(("multipart upload", lambda: _uploads(cluster, config)))
-    if cluster.backend == "local":  # a Kubernetes cluster's scratch is mounted in its pods only
+    if cluster.on_this_machine:  # a Kubernetes cluster's scratch is mounted in its pods only
         builders.append(("scratch", lambda: _scratch(cluster, settings, config, states)))
     return builders
 
 
 def _gang_finder(cluster, estate, settings) -> Finder:
     from hybridflow.backends import gang_backend
+    from hybridflow.reaper.gangs import GangFinder
 
-    if cluster.backend == "kubernetes":
-        from hybridflow.reaper.k8s import KubernetesGangFinder
-
-        return KubernetesGangFinder(cluster, timeout_s=estate.pipeline.placement.cluster_read_timeout_s)
-    from hybridflow.reaper.local import LocalGangFinder
-
-    return LocalGangFinder(gang_backend(cluster, estate, settings.state_dir))
+    return GangFinder(gang_backend(cluster, estate, settings.state_dir))
 
 
 def _uploads(cluster, config) -> list[Finder]:

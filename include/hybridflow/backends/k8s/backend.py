@@ -40,6 +40,7 @@ from hybridflow.backends.base import (
     ClusterLoad,
     GangBackend,
     GangJob,
+    GangRemnant,
     QueueStanding,
     instance_identity,
     owner_annotations,
@@ -191,6 +192,10 @@ class KubernetesGangBackend(GangBackend):
             volumes=((self.cluster.scratch_claim, self.cluster.scratch_dir),) if self.cluster.scratch_claim else (),
             grace_s=self.grace_s, nccl_socket_ifname=self.cluster.nccl_socket_ifname,
         )
+
+    def check_job(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> None:
+        """The gang's manifest is built (and so checked by field) as :meth:`submit` would build it."""
+        gang_manifest(self.gang_spec(job, pool=pool or "", queue=queue or ""), self.scheduler)
 
     def status(self, name: str) -> GangStatus:
         return read_status(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s,
@@ -371,6 +376,16 @@ class KubernetesGangBackend(GangBackend):
             found = [(job.metadata.name, job.metadata.deletion_timestamp is not None, kueue_status(job))
                      for job in listing.items or []]
         return sorted(name for name, deleting, status in found if finished or not (deleting or status.terminal))
+
+    def remnants(self) -> list[GangRemnant]:
+        from hybridflow.backends.k8s.remnants import remnants
+
+        return remnants(self)
+
+    def clear(self, remnant: GangRemnant, reason: str) -> None:
+        from hybridflow.backends.k8s.remnants import clear
+
+        clear(self, remnant)
 
     def stop(self, name: str, reason: str) -> bool:
         """Stop a gang for good: annotate the job with ``STOPPED_REASON`` = ``reason``, then delete it

@@ -98,7 +98,7 @@ def make_plan(estate, drill: str, params: Mapping[str, Any], *, dr_spec: Any = N
     workers = int(params.get("workers") or 1)
     if workers < 1 or workers > dr.total_gpus:
         raise DrillError("workers", f"{workers}: the DR cluster {dr.name} has {dr.total_gpus} GPUs; use 1..{dr.total_gpus}")
-    if dr.backend == "kubernetes":
+    if dr.runs_pods:
         from hybridflow.dr.drills.takeover import check_dr_pool, serves_on_dr_pool, training_pool
 
         training_pool(dr, workers)  # a gang runs on one node pool: one must hold it
@@ -210,7 +210,7 @@ def take_over(plan: Plan, estate, settings) -> dict[str, Any]:
     endpoint = choose_endpoint(store, plan.endpoint)
     _stop_server(report.get("server_pid"))  # an earlier try's server whose task died: never two
     # What the drill fetches lands on this machine: on Kubernetes scratch_dir is the pods' mount.
-    scratch = (scratch_root(plan.dr, settings) if plan.dr.backend == "local"
+    scratch = (scratch_root(plan.dr, settings) if plan.dr.on_this_machine
                else settings.home / "scratch" / plan.dr.name) / "drills" / plan.drill
     gang = server = pool = None
     # An earlier try's figures are cleared: only what this try measures is judged.
@@ -316,7 +316,7 @@ def fail_back(plan: Plan, estate, settings, *, by: str | None = None) -> dict[st
 
     report = read_report(settings.private_root, plan.drill)
     backend = gang_backend(plan.dr, estate, settings.state_dir)
-    name = gang_name(plan.drill, plan.dr)
+    name = gang_name(plan.drill, backend)
     stopped_gang = backend.cancel(name)
     stopped_server = _stop_server(report.get("server_pid"))
     for _ in range(300):  # the gang's workers commit their last checkpoint, then leave

@@ -40,13 +40,10 @@ GANG_PREFIX = "drill-"
 log = logging.getLogger("hybridflow.dr")
 
 
-def gang_name(drill: str, dr: Any = None) -> str:
-    """The drill's gang on ``dr``: on Kubernetes a DNS-1123 job name derived from the drill id alone."""
-    if dr is not None and dr.backend == "kubernetes":
-        from hybridflow.backends.k8s.manifests import gang_job_name
-
-        return gang_job_name("dr_drill", drill, "take_over", dr.name, readable=f"{GANG_PREFIX}{drill}")
-    return f"{GANG_PREFIX}{drill}"[:120]
+def gang_name(drill: str, backend: Any) -> str:
+    """The drill's gang on the DR cluster of ``backend``: derived from the drill id alone (the same for
+    every try of its steps)."""
+    return backend.gang_name("dr_drill", drill, "take_over", readable=f"{GANG_PREFIX}{drill}"[:120])
 
 
 def training_pool(dr: Any, workers: int) -> str:
@@ -114,7 +111,7 @@ def serves_on_dr_pool(estate, dr) -> bool:
     machine, where the model gateway is (serving.target local)."""
     from hybridflow.serving import target_name
 
-    return dr.backend == "kubernetes" and target_name(estate.pipeline.serving) in ("kubernetes", "kserve")
+    return dr.runs_pods and target_name(estate.pipeline.serving) in ("kubernetes", "kserve")
 
 
 def check_dr_pool(estate, dr) -> None:
@@ -248,10 +245,10 @@ def start_training(estate, settings, dr, spec: StoreSpec, run_key: str, drill: s
         raise DrillError("run_key", f"no version of dataset {model.dataset} (model {model.name}) is replicated to "
                                     "the DR store; run dr_replication")
     backend = gang_backend(dr, estate, settings.state_dir)
-    name = gang_name(drill, dr)
+    name = gang_name(drill, backend)
     labels = {"priority": "critical", "purpose": "dr-drill", "drill": drill[:60]}
     run_kw: dict[str, Any] = {"admission_timeout_s": 30}
-    if dr.backend == "kubernetes":
+    if dr.runs_pods:
         run_kw, more = _kubernetes_launch(estate, dr, backend, model, workers, window_s)
         labels.update(more)
     hparams = dict(model.defaults())
@@ -269,12 +266,9 @@ def start_training(estate, settings, dr, spec: StoreSpec, run_key: str, drill: s
     }
     job = GangJob(name=name, workers=workers, spec=job_spec, env=spec.credential_env(), attempt="drill",
                   labels=labels)
-    if dr.backend == "kubernetes":
-        from hybridflow.backends.k8s.manifests import gang_manifest
-
-        # Checked before anything is deleted or started: a bad manifest fails the step here, by field.
-        gang_manifest(backend.gang_spec(job, pool=run_kw["pool"], queue=run_kw["queue"]), dr.scheduler)
-    if backend.cancel(name) and dr.backend == "kubernetes":  # an earlier try's gang whose task died: never two
+    # Checked before anything is deleted or started: a job the cluster cannot run fails the step here, by field.
+    backend.check_job(job, pool=run_kw.get("pool"), queue=run_kw.get("queue"))
+    if backend.cancel(name) and dr.runs_pods:  # an earlier try's gang whose task died: never two
         _gone(backend, name)
     outcome: dict = {}
 
@@ -288,7 +282,7 @@ def start_training(estate, settings, dr, spec: StoreSpec, run_key: str, drill: s
     thread.start()
     gang = TrainingGang(backend, name, place, checkpoint.step, thread, outcome)
     where = {"cluster": dr.name, "backend": dr.backend, **({"node_pool": run_kw["pool"], "queue": run_kw["queue"]}
-                                                          if dr.backend == "kubernetes" else {})}
+                                                          if dr.runs_pods else {})}
     return gang, {"run_key": run_key, "model": model.name, "resumed_step": checkpoint.step,
                   "checkpoint_every_steps": every, "workers": workers, "dataset": data.dataset,
                   "dataset_version": data.manifest_key, "gang": name, "checkpoint_place": place.uri, **where}

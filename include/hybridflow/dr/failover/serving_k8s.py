@@ -50,7 +50,7 @@ API_TIMEOUT_S = 30.0
 def dr_pool(dr: Any) -> Any:
     """``clusters.<dr>.dr.serving``; a clear ConfigError when the DR cluster cannot serve."""
     at = f"clusters.{dr.name}.dr.serving"
-    if dr.backend != "kubernetes":
+    if not dr.runs_pods:
         raise ConfigError(f"{at}: the DR cluster {dr.name} has backend {dr.backend}; a Kubernetes inference pool "
                           f"(serving.kubernetes) fails over only to a backend: kubernetes DR cluster with dr.serving")
     serving = dr.dr.serving if dr.dr is not None else None

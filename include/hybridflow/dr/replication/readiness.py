@@ -34,7 +34,7 @@ def needed_connections(cluster) -> list[tuple[str, str, str]]:
     out = []
     if cluster.cache is not None:
         out.append((f"clusters.{cluster.name}.cache.conn_id", cluster.cache.conn_id, "aws"))
-    if cluster.backend == "kubernetes" and cluster.conn_id:
+    if cluster.runs_pods and cluster.conn_id:
         out.append((f"clusters.{cluster.name}.conn_id", cluster.conn_id, "kubernetes"))
     return out
 
@@ -74,7 +74,7 @@ def serving_missing(cluster, estate) -> list[Missing]:
 
     serving = estate.pipeline.serving
     target = target_name(serving)
-    if cluster.backend != "kubernetes" or target == "local":
+    if not cluster.runs_pods or target == "local":
         return []
     missing = []
     at = f"clusters.{cluster.name}.dr.serving"
@@ -112,9 +112,9 @@ def check_readiness(cluster, estate, *, lookup: Callable[[str], Any] | None = No
             what = (f"Airflow Connection {conn_id} does not exist" if _is_not_found(exc)
                     else f"Airflow Connection {conn_id} cannot be looked up ({type(exc).__name__})")
             missing.append(Missing(where, what, _how_to_add(conn_id, conn_type)))
-    if cluster.backend == "kubernetes":
+    if cluster.runs_pods:
         images = sorted({c.image for c in estate.clusters.values()
-                         if c.backend == "kubernetes" and not c.is_dr and c.image})
+                         if c.runs_pods and not c.is_dr and c.image})
         # clusters.yaml already requires an image on Kubernetes; what it cannot tell is whether it is
         # the one the other clusters run.
         if images and cluster.image not in images:
