@@ -127,6 +127,24 @@ def _names_a_backend(node: ast.Compare) -> bool:
     return backend and named
 
 
+# What DR may use of serving: the deploy targets' chooser and contract (the package, serving.base), the
+# disaster-recovery side of serving (serving.takeover), and its checks, gate and file helpers.
+SERVING_FOR_DR = {"hybridflow.serving", "hybridflow.serving.base", "hybridflow.serving.takeover",
+                  "hybridflow.serving.checks", "hybridflow.serving.rollout", "hybridflow.serving.processes"}
+
+
+def test_dr_serves_through_the_deploy_targets_and_never_builds_a_server_or_manifest():
+    """Serving failover and failback, replication's reading of what is served, and the drills reach
+    serving through the DeployTarget contract and serving.takeover: no DR module builds a target's
+    manifests, starts a model server or reads the gateway's routing files itself."""
+    reached = {}
+    for path in sorted((PACKAGE / "dr").rglob("*.py")):
+        taken = {m for m in imported_modules(path) if m.startswith("hybridflow.serving")} - SERVING_FOR_DR
+        if taken:
+            reached[str(path.relative_to(PACKAGE))] = sorted(taken)
+    assert not reached, f"go through the deploy target (serving.base) or serving.takeover: {reached}"
+
+
 def test_placement_is_asked_only_through_its_entry():
     """Where a run goes is decided in one place (placement.decide): no module outside placement
     runs the rules or reads the loads they decide on."""

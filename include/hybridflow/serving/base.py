@@ -125,6 +125,28 @@ class DeployTarget(ABC, Generic[S]):
     def result(self, staged: S) -> dict[str, Any]:
         """What the deployment did, for the task's return value and the run record."""
 
+    def live_versions(self) -> dict[str, str | None]:
+        """version -> variant (None where the target does not say) of every version serving the
+        endpoint now: the stable one and a canary beside it."""
+        current = self.current()
+        return {current.version: current.detail.get("variant")} if current is not None and current.version else {}
+
+    # -- the disaster-recovery side (hybridflow.serving.takeover): a target of the DR cluster's pool --
+    def take_over(self, version: str, bundle: Path) -> tuple[str, Any, bool]:
+        """Serve ``version`` of ``bundle`` (a verified replica) with all of the endpoint's traffic, now,
+        checked as far as can be without held-out data: (its URL, the answer to one prediction made
+        from the model's signature or None where the server cannot be reached from here, whether
+        anything was started)."""
+        from hybridflow.errors import DeploymentError
+
+        raise DeploymentError(f"the {self.name} deploy target does not serve from a DR cluster's inference pool")
+
+    def remove(self) -> bool:
+        """Stop everything serving the endpoint here (the DR pool after a failback); whether anything was."""
+        from hybridflow.errors import DeploymentError
+
+        raise DeploymentError(f"the {self.name} deploy target does not serve from a DR cluster's inference pool")
+
 
 def roll(target: DeployTarget[Any], request: DeployRequest) -> dict[str, Any]:
     """Serve ``request`` on ``target``, blue/green; see the module's docstring for the steps."""

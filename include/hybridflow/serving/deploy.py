@@ -55,6 +55,7 @@ from hybridflow.serving.gateway import (
     verify_gateway,
 )
 from hybridflow.serving.processes import (
+    DRAIN_S,
     Log,
     alive,
     endpoint_lock,
@@ -78,7 +79,6 @@ if TYPE_CHECKING:
 
 SERVER_MODULE = "hybridflow.serving.server"
 START_TIMEOUT_S = 120.0  # importing torch on a busy machine takes a while
-DRAIN_S = 1.0  # let requests already forwarded to the old version finish before it is stopped
 
 
 def _root(state_root: Path) -> Path:

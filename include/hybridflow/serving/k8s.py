@@ -38,6 +38,8 @@ from hybridflow.serving.processes import say
 if TYPE_CHECKING:
     from hybridflow.config import Estate
 
+READ_TIMEOUT_S = 30.0  # a read of the API server that holds nothing up for longer
+
 __all__ = ["InferencePool", "InferenceRollout", "KubernetesTarget", "Release", "TrackStatus", "publish_model",
            "roll_out"]
 
@@ -304,6 +306,59 @@ class KubernetesTarget(DeployTarget[_Track]):
             say(self.log, f"Endpoint {self._pool.endpoint} on {self.where['cluster']}/{self.where['namespace']}: "
                           f"{result}")
         return {**result, **self.where}
+
+    def live_versions(self) -> dict[str, str | None]:
+        """The versions the stable and the canary Deployment run (their version label), each read bounded
+        by the target's read timeout so an API server that does not answer cannot hold the caller."""
+        pool, live = self.rollout.pool, {}
+        for name in (pool.endpoint, f"{pool.endpoint}-canary"):
+            try:
+                dep = self.rollout.hook.apps_v1_client.read_namespaced_deployment(
+                    name=name, namespace=pool.namespace, _request_timeout=READ_TIMEOUT_S)
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    raise
+                continue  # no such track
+            version = (dep.metadata.labels or {}).get(VERSION_LABEL)
+            if version:
+                live.setdefault(version, None)
+        return live
+
+    # -- the disaster-recovery side (a target made by hybridflow.serving.takeover.pool_target) --
+    def take_over(self, version: str, bundle: Path) -> tuple[str, Any, bool]:
+        """Serve ``version`` of ``bundle`` as the stable Deployment (another version in place rolled as a
+        canary): (the in-cluster Service URL, None, whether anything was started). Readiness is the
+        check: the Service cannot be reached from here, so no prediction is made."""
+        from hybridflow.bundle import read_card
+
+        current = self.current()
+        if current is not None and current.version == version and current.detail.get("ready"):
+            return self.where["endpoint_url"], None, False
+        roll(self, DeployRequest(version, bundle_dir=bundle, variant=read_card(bundle).variant))
+        deadline = time.monotonic() + self.timeout_s  # a version kept by roll may still be rolling out
+        while True:
+            serving = self.current()
+            if serving is not None and serving.version == version and serving.detail.get("ready"):
+                return self.where["endpoint_url"], None, True
+            if time.monotonic() >= deadline:
+                raise DeploymentError(f"{version} on the DR side did not become ready within {self.timeout_s:g} s; "
+                                      "see its pods' events and logs")
+            time.sleep(self.poll_s)
+
+    def remove(self) -> bool:
+        """Delete the endpoint's Deployments and Service; whether any was there."""
+        hook, ns, endpoint = self.rollout.hook, self.rollout.pool.namespace, self.rollout.pool.endpoint
+        removed = False
+        for client, kind, name in ((hook.apps_v1_client, "deployment", f"{endpoint}-canary"),
+                                   (hook.apps_v1_client, "deployment", endpoint),
+                                   (hook.core_v1_client, "service", endpoint)):
+            try:
+                getattr(client, f"delete_namespaced_{kind}")(name=name, namespace=ns)
+                removed = True
+            except Exception as exc:
+                if getattr(exc, "status", None) != 404:
+                    raise
+        return removed
 
 
 def roll_out(rollout: InferenceRollout, release: Release, *, canary_percent: int, timeout_s: float,

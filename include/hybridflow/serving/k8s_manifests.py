@@ -132,6 +132,11 @@ def canary_deployment(pool: InferencePool, release: Release, percent: int) -> di
     return _deployment(pool, release, "canary", canary_replicas(pool, percent))
 
 
+def service_url(endpoint: str, namespace: str) -> str:
+    """The endpoint's Service inside its cluster (port 80, see :func:`service`)."""
+    return f"http://{endpoint}.{namespace}.svc"
+
+
 def service(pool: InferencePool) -> dict:
     """The endpoint's Service: both tracks behind one address."""
     pool.check()

@@ -426,6 +426,54 @@ class KServeTarget(DeployTarget[_Revision]):
         staged.outcome.update(status="deployed", url=IsvcState.of(obj).url, revision=staged.revision)
         return staged.outcome
 
+    def live_versions(self) -> dict[str, str | None]:
+        """The serving version, and the predictor's during a canary (the newest revision runs it)."""
+        live: dict[str, str | None] = {}
+        current = self.current()  # each call bounded by the target's own timeout
+        if current is not None and current.version:
+            live[current.version] = current.detail.get("variant")
+            canary = predictor_version(current.detail.get("predictor"))
+            if canary:
+                live.setdefault(canary, None)
+        return live
+
+    # -- the disaster-recovery side (a target made by hybridflow.serving.takeover.pool_target) --
+    def take_over(self, version: str, bundle: Path) -> tuple[str, Any, bool]:
+        """Serve ``version`` of ``bundle`` with all traffic at once: (``status.url``, the answer to one
+        prediction made from the model's signature, whether anything was started). An InferenceService
+        ready with that version and answering starts nothing."""
+        from hybridflow.bundle import read_card
+        from hybridflow.serving.checks import StepFailed, predict
+        from hybridflow.serving.takeover import probe_rows
+
+        rows = probe_rows(bundle)
+        current = self.current()
+        detail = current.detail if current is not None else {}
+        if current is not None and current.version == version and detail.get("ready") and detail.get("canary") is None:
+            try:
+                return str(detail.get("url")), predict(str(detail.get("url")), self.endpoint, rows, version)[0], False
+            except (StepFailed, OSError):
+                pass  # it stands but does not answer: applied again below
+        release = Release(version=version, variant=read_card(bundle).variant, image=self.image)
+        published = publish_model(bundle, self.models_dir, self.endpoint, release)
+        say(self.log, f"{self.endpoint} {version} published on the DR models volume at {published}")
+        body = inference_service(self.pool, release, self.server_args, serving_version=version)
+        if current is not None:
+            body["spec"]["predictor"]["canaryTrafficPercent"] = None  # all traffic to this version
+        self.api.apply(body, replacing=None if current is None else detail.get("predictor") or {})
+        state = self.wait_for(f"{version} on the DR side ready with all traffic",
+                              lambda s: s.serves_latest() and s.share(s.latest_ready) == 100 and bool(s.url))
+        try:
+            answer = predict(state.url, self.endpoint, rows, version)
+        except (StepFailed, OSError) as exc:
+            raise DeploymentError(f"{version} on the DR side is ready but did not answer a prediction at "
+                                  f"{state.url}: {exc}") from exc
+        return state.url, answer[0], True
+
+    def remove(self) -> bool:
+        """Delete the endpoint's InferenceService; whether it was there."""
+        return bool(self.api.delete())
+
 
 def _traffic(state: IsvcState) -> str:
     return ", ".join(f"{t.get('revisionName')} {t.get('percent')} %" for t in state.traffic) or "none"

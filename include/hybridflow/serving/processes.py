@@ -23,6 +23,8 @@ from typing import Any
 
 from hybridflow.errors import DeploymentError
 
+DRAIN_S = 1.0  # let requests already forwarded to the old version finish before it is stopped
+
 STOP_TIMEOUT_S = 10.0
 LOCK_TIMEOUT_S = 300.0
 

@@ -58,20 +58,6 @@ def training_pool(dr: Any, workers: int) -> str:
     return min(fits, key=lambda p: (p.name == serving, p.spot, -p.gpus, p.name)).name
 
 
-def probe_instance(signature: dict[str, Any]) -> list[Any]:
-    """One valid instance of the signature: each column at its minimum (0 where it has none)."""
-    from hybridflow.serving.schema import InputSchema
-
-    row: list[Any] = []
-    for _name, kind, lo, hi in InputSchema(signature).columns:
-        if kind == "bool":
-            row.append(False)
-            continue
-        value = lo if lo is not None else (min(0.0, hi) if hi is not None else 0.0)
-        row.append(int(value) if kind == "int" else float(value))
-    return row
-
-
 def predict_once(base: str, endpoint: str, row: list[Any], timeout_s: float = 10) -> dict[str, Any]:
     body = json.dumps({"instances": [row]}).encode()
     req = urllib.request.Request(f"{base}/v1/models/{endpoint}:predict", data=body, method="POST",
@@ -88,11 +74,11 @@ def start_inference(spec: StoreSpec, endpoint: str, scratch: Path, on_started: C
     """(the running server, what was measured): serving the replicated model and answering."""
     from hybridflow.bundle import read_card
     from hybridflow.dr.drills.replicas import fetch_model
-    from hybridflow.serving.server import ServerProcess
+    from hybridflow.serving.takeover import probe_instance, replica_server
 
     model = fetch_model(spec, endpoint, scratch / "models")
     fetched = time.time()
-    server = ServerProcess(model.bundle, endpoint, model.version, 0, start_timeout_s=start_timeout_s)
+    server = replica_server(model.bundle, endpoint, model.version, start_timeout_s=start_timeout_s)
     on_started(server.proc.pid)
     try:
         host, port = server.server_address
@@ -116,9 +102,9 @@ def serves_on_dr_pool(estate, dr) -> bool:
 
 def check_dr_pool(estate, dr) -> None:
     """DrillError naming ``clusters.<dr>.dr.serving`` when the drill must serve there and cannot."""
-    from hybridflow.dr.failover.serving_k8s import dr_pool
     from hybridflow.errors import ConfigError
     from hybridflow.serving import target_name
+    from hybridflow.serving.takeover import dr_pool
 
     try:
         dr_pool(dr)

@@ -27,10 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from hybridflow.serving.processes import now, read_json, write_json
-from hybridflow.serving.router import TAKEOVER  # the active.json entry; also the DR server's folder
-
-SERVER_MODULE = "hybridflow.serving.server"
+from hybridflow.serving.takeover import TAKEOVER  # the active.json entry of a takeover
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +56,9 @@ def serving_cluster(estate: Any) -> tuple[str | None, str]:
 
 def endpoints_served(root: Path) -> list[str]:
     """Endpoints of the gateway under ``root`` whose active.json names a backend URL."""
-    from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
+    from hybridflow.serving.takeover import local_endpoints
 
-    return [e for e in known_endpoints(root) if (read_json(root / e / ACTIVE_FILE) or {}).get("url")]
+    return local_endpoints(root)
 
 
 def fetch_replica(spec: Any, endpoint: str, version: str | None, dest: Path) -> tuple[dict[str, Any], Path, str]:
@@ -107,72 +104,31 @@ def move_each(endpoints: Iterable[str], move: Callable[[str], dict[str, Any]]) -
     return moved
 
 
-def ready_file(edir: Path, version: str) -> Path:
-    return edir / TAKEOVER / f"{version}.ready"
-
-
-def start_server(edir: Path, endpoint: str, version: str, bundle: Path, settings: Any) -> dict[str, Any]:
-    """The DR-side model server of ``bundle``, detached, ready, healthy and answering one prediction."""
-    from hybridflow.bundle import read_card
-    from hybridflow.dr.drills.takeover import probe_instance
-    from hybridflow.serving.checks import StepFailed, predict, url_of, wait_healthy, wait_ready
-    from hybridflow.serving.deploy import START_TIMEOUT_S, server_command
-    from hybridflow.serving.processes import log_size, spawn, stop_child
-
-    folder = edir / TAKEOVER
-    ready, log_path = ready_file(edir, version), folder / f"{version}.log"
-    ready.unlink(missing_ok=True)
-    since = log_size(log_path)
-    python, flags = server_command(settings.server)
-    proc = spawn([SERVER_MODULE, "--bundle", str(bundle), "--endpoint", endpoint, "--version", version, "--port", "0",
-                  "--ready-file", str(ready), *flags], log_path, folder, python=python)
-    try:
-        url = url_of(wait_ready(proc, ready, log_path, since, START_TIMEOUT_S))
-        wait_healthy(url, endpoint, version, proc.pid)
-        answer = predict(url, endpoint, [probe_instance(read_card(bundle).signature)], version)
-    except (StepFailed, OSError):
-        stop_child(proc)
-        raise
-    return {"version": version, "url": url, "pid": proc.pid, "log": str(log_path), "prediction": answer[0],
-            "healthy_at": now()}
-
-
 def stop_server(edir: Path, entry: dict[str, Any]) -> bool:
     """Stop the takeover server ``entry`` names, if that pid is still the server started for it."""
-    from hybridflow.serving.processes import terminate
+    from hybridflow.serving.takeover import stop_local_server
 
-    return terminate(entry.get("pid"), SERVER_MODULE, str(ready_file(edir, str(entry.get("version")))))
+    return stop_local_server(edir, entry)
 
 
 def _take_over(edir: Path, dr: Any, spec: Any, scratch: Path, settings: Any) -> dict[str, Any]:
-    """Move one endpoint to the DR side (under the endpoint's lock: no deploy switches it meanwhile)."""
-    from hybridflow.serving.checks import StepFailed, backend_healthy
-    from hybridflow.serving.processes import endpoint_lock
-    from hybridflow.serving.router import ACTIVE_FILE
+    """Move one endpoint to the DR side: the active version's replica (else the newest), served there."""
+    from hybridflow.serving.takeover import answering, local_active, take_over_locally
 
     endpoint = edir.name
-    with endpoint_lock(edir):
-        active = read_json(edir / ACTIVE_FILE) or {}
-        primary = {"version": active.get("version"), "url": active.get("url"), "pid": active.get("pid")}
-        standing = active.get(TAKEOVER)
-        if isinstance(standing, dict) and backend_healthy(standing, endpoint):
-            return {"state": "on dr", "primary": primary, "dr": standing, "note": "served on the DR side already"}
-        try:
-            body, bundle, source = fetch_replica(spec, endpoint, active.get("version"), scratch / endpoint)
-        except NoReplica as exc:
-            return {"state": "not moved", "primary": primary, "reason": f"{exc}; serving left as it was"}
-        (edir / TAKEOVER).mkdir(exist_ok=True)
-        if isinstance(standing, dict):
-            stop_server(edir, standing)  # an earlier takeover server that no longer answers
-        try:
-            server = start_server(edir, endpoint, str(body["version"]), bundle, settings)
-        except (StepFailed, OSError) as exc:
-            # A failed move, not a choice: the drain stays incomplete and a rerun starts it again.
-            raise StepFailed(f"the DR-side server of {source} did not answer: {exc}") from exc
-        entry = {**server, "cluster": dr.name, "model": body.get("model"), "source": source, "bundle": str(bundle),
-                 "replica": body["_key"], "replicated_at": body.get("replicated_at"), "since": now()}
-        write_json(edir / ACTIVE_FILE, {**active, TAKEOVER: entry})
-    return {"state": "on dr", "primary": primary, "dr": entry}
+    active = local_active(edir)
+    primary = {"version": active.get("version"), "url": active.get("url"), "pid": active.get("pid")}
+    if answering(active.get(TAKEOVER), endpoint):
+        return {"state": "on dr", "primary": primary, "dr": active[TAKEOVER], "note": "served on the DR side already"}
+    try:
+        body, bundle, source = fetch_replica(spec, endpoint, active.get("version"), scratch / endpoint)
+    except NoReplica as exc:
+        return {"state": "not moved", "primary": primary, "reason": f"{exc}; serving left as it was"}
+    record = {"model": body.get("model"), "source": source, "replica": body["_key"],
+              "replicated_at": body.get("replicated_at")}
+    served = take_over_locally(edir, str(body["version"]), bundle, settings, cluster=dr.name, record=record)
+    out = {"state": "on dr", "primary": served["primary"], "dr": served["dr"]}
+    return out if served["started"] else {**out, "note": "served on the DR side already"}
 
 
 def fail_over(cluster_name: str, estate: Any, state_dir: Any, *, dr_spec: Any = None) -> dict[str, Any]:
@@ -228,9 +184,6 @@ def dr_side(estate: Any, state_dir: Any, dr_spec: Any) -> tuple[Any, Any, Path]:
 
 def takeovers(state_dir: Any) -> dict[str, dict[str, Any]]:
     """``{endpoint: active.json}`` of the endpoints served on the DR side now."""
-    from hybridflow.serving.router import ACTIVE_FILE, known_endpoints
+    from hybridflow.serving.takeover import local_takeovers
 
-    root = Path(state_dir).resolve() / "serving"
-    found = {e: read_json(root / e / ACTIVE_FILE) or {} for e in known_endpoints(root)}
-    return {e: a for e, a in found.items() if isinstance(a.get(TAKEOVER), dict)}
-
+    return local_takeovers(Path(state_dir).resolve() / "serving")

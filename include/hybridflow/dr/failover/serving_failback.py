@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.dr.failover.serving import TAKEOVER, serving_cluster, stop_server, takeovers
-from hybridflow.serving.processes import Log, now, read_json, write_json
+from hybridflow.serving.processes import Log, now
 
 
 def _rows(entry: dict[str, Any]) -> list[list[Any]]:
-    from hybridflow.bundle import read_card
-    from hybridflow.dr.drills.takeover import probe_instance
+    from hybridflow.serving.takeover import probe_rows
 
-    return [probe_instance(read_card(Path(entry["bundle"])).signature)]
+    return probe_rows(Path(entry["bundle"]))
 
 
 def _gate(edir: Path, active: dict[str, Any], gate: Any, log: Log) -> tuple[dict[str, Any] | None, str | None]:
@@ -51,25 +50,26 @@ def _gate(edir: Path, active: dict[str, Any], gate: Any, log: Log) -> tuple[dict
 
 
 def _fail_back_endpoint(edir: Path, serving: Any, log: Log) -> dict[str, Any]:
-    from hybridflow.serving.deploy import DRAIN_S
-    from hybridflow.serving.processes import endpoint_lock
-    from hybridflow.serving.router import ACTIVE_FILE
+    from hybridflow.serving.takeover import DRAIN_S, hand_back_locally
 
-    with endpoint_lock(edir):
-        active = read_json(edir / ACTIVE_FILE) or {}
-        dr = active.get(TAKEOVER)
-        if not isinstance(dr, dict):
-            return {"state": "on primary", "note": "moved back already"}
+    def judge(active: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        dr = active[TAKEOVER]
         outcome, failed = _gate(edir, active, serving.gate, log)
         out = {"primary": {"version": active.get("version"), "url": active.get("url")},
                "dr": {k: dr.get(k) for k in ("cluster", "version", "url", "pid", "source")}, "gate": outcome,
                "at": now()}
         if failed:
             return {**out, "state": "on dr", "reason": f"{failed}; serving stays on the DR side until a later "
-                                                       f"`hybridflow cluster up` passes"}
-        write_json(edir / ACTIVE_FILE, {k: v for k, v in active.items() if k != TAKEOVER})
+                                                       f"`hybridflow cluster up` passes"}, False
+        return out, True
+
+    active, out = hand_back_locally(edir, judge)
+    if active is None:
+        return {"state": "on primary", "note": "moved back already"}
+    if out.get("state") == "on dr":
+        return out
     time.sleep(DRAIN_S)  # requests already forwarded to the DR side finish first
-    return {**out, "state": "on primary", "dr_stopped": stop_server(edir, dr)}
+    return {**out, "state": "on primary", "dr_stopped": stop_server(edir, active[TAKEOVER])}
 
 
 def fail_back(cluster_name: str, estate: Any, state_dir: Any, *, log: Log = None) -> dict[str, Any] | None:

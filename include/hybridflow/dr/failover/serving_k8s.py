@@ -35,132 +35,21 @@ reads it to know what to move back and removes it once the primary serves again.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from hybridflow.errors import ConfigError, DeploymentError
+from hybridflow.errors import ConfigError
 from hybridflow.serving.processes import now, read_json, say, write_json
+from hybridflow.serving.takeover import dr_pool, pool_target
 
 TAKEOVER_FILE = "takeover-k8s.json"
-POLL_S = 0.5
-API_TIMEOUT_S = 30.0
 
-
-def dr_pool(dr: Any) -> Any:
-    """``clusters.<dr>.dr.serving``; a clear ConfigError when the DR cluster cannot serve."""
-    at = f"clusters.{dr.name}.dr.serving"
-    if not dr.runs_pods:
-        raise ConfigError(f"{at}: the DR cluster {dr.name} has backend {dr.backend}; a Kubernetes inference pool "
-                          f"(serving.kubernetes) fails over only to a backend: kubernetes DR cluster with dr.serving")
-    serving = dr.dr.serving if dr.dr is not None else None
-    if serving is None:
-        raise ConfigError(f"{at}: not set; add the DR inference pool to clusters.yaml: dr: {{serving: {{node_pool: "
-                          f"<one of {', '.join(p.name for p in dr.node_pools)}>, models_claim: <PVC of the DR "
-                          f"models volume>, models_dir: <where the workers mount it>}}}} (namespace, replicas, "
-                          f"ready_timeout_s optional)")
-    return serving
+__all__ = ["dr_pool", "dr_target", "fail_over_pool", "pool_takeovers", "start_on_dr", "stop_on_dr"]
 
 
 def dr_target(estate: Any, dr: Any, endpoint: str, *, log: Any = None) -> Any:
-    """The deploy target of ``endpoint`` on the DR cluster's pool (KServeTarget or KubernetesTarget)."""
-    from hybridflow.hooks.kubernetes import kubernetes_hook
-    from hybridflow.serving.k8s import InferenceRollout, KubernetesTarget
-    from hybridflow.serving.k8s_manifests import InferencePool
-    from hybridflow.serving.kserve import InferenceServiceApi, KServeTarget
-    from hybridflow.serving.runtime import server_args
-
-    serving = estate.pipeline.serving
-    k8s = serving.kubernetes
-    if k8s is None:
-        raise ConfigError("serving.kubernetes: not set; the DR inference pool takes its kind and image from it")
-    ds = dr_pool(dr)
-    pool = InferencePool(endpoint=endpoint, namespace=ds.namespace, pool=dr.pool(ds.node_pool),
-                         models_claim=ds.models_claim, replicas=ds.replicas, port=k8s.port,
-                         gpus_per_replica=k8s.gpus_per_replica)
-    hook = kubernetes_hook(dr.conn_id)
-    if k8s.kind == "kserve":
-        where = {"cluster": dr.name, "namespace": ds.namespace, "inference_service": endpoint}
-        return KServeTarget(InferenceServiceApi(hook, ds.namespace, endpoint), pool, image=k8s.image,
-                            settings=serving, server_args=list(server_args(serving.server)), models_dir=Path(ds.models_dir),
-                            timeout_s=ds.ready_timeout_s, poll_s=POLL_S, log=log, where=where)
-    where = {"cluster": dr.name, "namespace": ds.namespace, "deployment": endpoint,
-             "endpoint_url": service_url(endpoint, ds.namespace)}
-    return KubernetesTarget(InferenceRollout(hook, pool), image=k8s.image, canary_percent=k8s.canary_percent,
-                            timeout_s=ds.ready_timeout_s, models_dir=Path(ds.models_dir), poll_s=POLL_S, log=log,
-                            where=where)
-
-
-def service_url(endpoint: str, namespace: str) -> str:
-    """The endpoint's Service inside its cluster (port 80, see k8s_manifests.service)."""
-    return f"http://{endpoint}.{namespace}.svc"
-
-
-def probe_rows(bundle: Path) -> list[list[Any]]:
-    """One instance made from the bundle's signature (each column at its minimum)."""
-    from hybridflow.bundle import read_card
-    from hybridflow.dr.drills.takeover import probe_instance
-
-    return [probe_instance(read_card(Path(bundle)).signature)]
-
-
-def _isvc_ready(target: Any, version: str) -> Any:
-    """The InferenceService's state once ``version``'s revision is ready with all traffic."""
-    return target.wait_for(f"{version} on the DR side ready with all traffic",
-                           lambda s: s.serves_latest() and s.share(s.latest_ready) == 100 and bool(s.url))
-
-
-def _serve_kserve(target: Any, version: str, bundle: Path) -> tuple[str, Any, bool]:
-    """(status.url, the probe's answer, whether anything was started) of ``version`` on the DR pool."""
-    from hybridflow.bundle import read_card
-    from hybridflow.serving.checks import StepFailed, predict
-    from hybridflow.serving.k8s import publish_model
-    from hybridflow.serving.k8s_manifests import Release
-    from hybridflow.serving.kserve_manifests import inference_service
-
-    endpoint, rows = target.endpoint, probe_rows(bundle)
-    current = target.current()
-    detail = current.detail if current is not None else {}
-    if current is not None and current.version == version and detail.get("ready") and detail.get("canary") is None:
-        try:
-            return str(detail.get("url")), predict(str(detail.get("url")), endpoint, rows, version)[0], False
-        except (StepFailed, OSError):
-            pass  # it stands but does not answer: applied again below
-    release = Release(version=version, variant=read_card(bundle).variant, image=target.image)
-    published = publish_model(bundle, target.models_dir, endpoint, release)
-    say(target.log, f"{endpoint} {version} published on the DR models volume at {published}")
-    body = inference_service(target.pool, release, target.server_args, serving_version=version)
-    if current is not None:
-        body["spec"]["predictor"]["canaryTrafficPercent"] = None  # all traffic to this version
-    target.api.apply(body, replacing=None if current is None else detail.get("predictor") or {})
-    state = _isvc_ready(target, version)
-    try:
-        answer = predict(state.url, endpoint, rows, version)
-    except (StepFailed, OSError) as exc:
-        raise DeploymentError(f"{version} on the DR side is ready but did not answer a prediction at {state.url}: "
-                              f"{exc}") from exc
-    return state.url, answer[0], True
-
-
-def _serve_deployment(target: Any, version: str, bundle: Path) -> tuple[str, Any, bool]:
-    """(the in-cluster Service URL, None, whether anything was started): readiness is the check."""
-    from hybridflow.bundle import read_card
-    from hybridflow.serving.base import DeployRequest, roll
-
-    current = target.current()
-    started = not (current is not None and current.version == version and current.detail.get("ready"))
-    if not started:
-        return target.where["endpoint_url"], None, False
-    roll(target, DeployRequest(version, bundle_dir=bundle, variant=read_card(bundle).variant))
-    deadline = time.monotonic() + target.timeout_s  # a version kept by roll may still be rolling out
-    while True:
-        serving = target.current()
-        if serving is not None and serving.version == version and serving.detail.get("ready"):
-            return target.where["endpoint_url"], None, True
-        if time.monotonic() >= deadline:
-            raise DeploymentError(f"{version} on the DR side did not become ready within {target.timeout_s:g} s; "
-                                  "see its pods' events and logs")
-        time.sleep(target.poll_s)
+    """The deploy target of ``endpoint`` on the DR cluster's pool (:func:`hybridflow.serving.takeover.pool_target`)."""
+    return pool_target(estate, dr, endpoint, log=log)
 
 
 def start_on_dr(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | None, scratch: Path, *,
@@ -172,8 +61,7 @@ def start_on_dr(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | N
     target = dr_target(estate, dr, endpoint, log=log)  # a DR cluster that cannot serve fails before the fetch
     body, bundle, source = fetch_replica(spec, endpoint, version, Path(scratch) / endpoint)
     chosen = str(body["version"])
-    serve = _serve_kserve if estate.pipeline.serving.kubernetes.kind == "kserve" else _serve_deployment
-    url, prediction, started = serve(target, chosen, bundle)
+    url, prediction, started = target.take_over(chosen, bundle)
     name_key = "inference_service" if "inference_service" in target.where else "deployment"
     out = {"version": chosen, "url": url, "cluster": dr.name, "namespace": target.where["namespace"],
            name_key: endpoint, "kind": estate.pipeline.serving.kubernetes.kind, "source": source,
@@ -186,21 +74,7 @@ def start_on_dr(estate: Any, dr: Any, spec: Any, endpoint: str, version: str | N
 
 def stop_on_dr(estate: Any, dr: Any, endpoint: str) -> bool:
     """Remove the DR pool's InferenceService, or Deployments and Service, of ``endpoint``; whether any was there."""
-    target = dr_target(estate, dr, endpoint)
-    if estate.pipeline.serving.kubernetes.kind == "kserve":
-        return bool(target.api.delete())
-    hook, ns = target.rollout.hook, target.rollout.pool.namespace
-    removed = False
-    for client, kind, name in ((hook.apps_v1_client, "deployment", f"{endpoint}-canary"),
-                               (hook.apps_v1_client, "deployment", endpoint),
-                               (hook.core_v1_client, "service", endpoint)):
-        try:
-            getattr(client, f"delete_namespaced_{kind}")(name=name, namespace=ns)
-            removed = True
-        except Exception as exc:
-            if getattr(exc, "status", None) != 404:
-                raise
-    return removed
+    return dr_target(estate, dr, endpoint).remove()
 
 
 # --- the takeover record ------------------------------------------------------------------------------
@@ -227,32 +101,9 @@ def clear_record(state_dir: Any, endpoint: str) -> None:
 def served_on_primary(estate: Any) -> dict[str, str | None]:
     """``{endpoint: version}`` of the pool's endpoints, asked of the primary's API server (raises if it
     does not answer)."""
-    from hybridflow.hooks.kubernetes import kubernetes_hook
-    from hybridflow.serving.k8s_manifests import ENDPOINT_LABEL, TRACK_LABEL, VERSION_LABEL
-    from hybridflow.serving.kserve_manifests import (
-        GROUP,
-        PLURAL,
-        SERVING_ANNOTATION,
-        VERSION,
-        predictor_version,
-    )
+    from hybridflow.serving.takeover import served_versions
 
-    k8s = estate.pipeline.serving.kubernetes
-    hook = kubernetes_hook(estate.clusters[k8s.cluster].conn_id)
-    if k8s.kind == "kserve":
-        listed = hook.custom_object_client.list_namespaced_custom_object(
-            group=GROUP, version=VERSION, plural=PLURAL, namespace=k8s.namespace, label_selector=ENDPOINT_LABEL,
-            _request_timeout=API_TIMEOUT_S)
-        out = {}
-        for item in listed.get("items") or []:
-            meta = item.get("metadata") or {}
-            out[meta["name"]] = (meta.get("annotations") or {}).get(SERVING_ANNOTATION) or \
-                predictor_version((item.get("spec") or {}).get("predictor"))
-        return out
-    listed = hook.apps_v1_client.list_namespaced_deployment(
-        namespace=k8s.namespace, label_selector=f"{TRACK_LABEL}=stable", _request_timeout=API_TIMEOUT_S)
-    return {(d.metadata.labels or {})[ENDPOINT_LABEL]: (d.metadata.labels or {}).get(VERSION_LABEL)
-            for d in listed.items if ENDPOINT_LABEL in (d.metadata.labels or {})}
+    return served_versions(estate)
 
 
 def replicated_endpoints(dr: Any, spec: Any) -> dict[str, str | None]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridflow.dr.failover.serving_k8s import clear_record, pool_takeovers, probe_rows, stop_on_dr
+from hybridflow.dr.failover.serving_k8s import clear_record, pool_takeovers, stop_on_dr
 from hybridflow.serving.processes import Log, now
 
 
@@ -65,6 +65,8 @@ def _checks(estate: Any, endpoint: str, record: dict[str, Any], state_dir: Any,
         return {**out, "checked": "readiness of the primary's stable Deployment (its in-cluster Service cannot be "
                                   "reached from here: no prediction, no gate)"}, None
     try:
+        from hybridflow.serving.takeover import probe_rows
+
         rows = probe_rows(Path(record["bundle"]))
         predict(url, endpoint, rows, version)
     except (StepFailed, OSError, ValueError, KeyError) as exc:

@@ -18,8 +18,6 @@ from typing import Any
 
 from hybridflow.dr.replication.replicas import Problem
 
-API_TIMEOUT_S = 30.0  # every read of the primary's API server is bounded
-
 
 def _is_bundle(folder: Path) -> bool:
     from hybridflow.bundle import CARD_FILE
@@ -78,40 +76,7 @@ def live_versions(estate, settings, endpoint: str) -> dict[str, str | None]:
     the stable version and a canary beside it. Raises what the API server's client raises."""
     from hybridflow.serving import deploy_target
 
-    target = deploy_target(estate, endpoint, state_dir=Path(settings.state_dir))
-    if target.name != "kserve":
-        return _deployment_versions(target.rollout)
-    from hybridflow.serving.kserve_manifests import predictor_version
-
-    live: dict[str, str | None] = {}
-    current = target.current()  # each call bounded by the target's own timeout
-    if current is not None and current.version:
-        live[current.version] = current.detail.get("variant")
-        # The predictor spec runs the newest revision: during a canary it is not the serving version.
-        canary = predictor_version(current.detail.get("predictor"))
-        if canary:
-            live.setdefault(canary, None)
-    return live
-
-
-def _deployment_versions(rollout) -> dict[str, str | None]:
-    """The versions the stable and the canary Deployment run (their version label), each read
-    bounded by API_TIMEOUT_S so an API server that does not answer cannot hold the pass."""
-    from hybridflow.serving.k8s_manifests import VERSION_LABEL
-
-    pool, live = rollout.pool, {}
-    for name in (pool.endpoint, f"{pool.endpoint}-canary"):
-        try:
-            dep = rollout.hook.apps_v1_client.read_namespaced_deployment(name=name, namespace=pool.namespace,
-                                                                         _request_timeout=API_TIMEOUT_S)
-        except Exception as exc:
-            if getattr(exc, "status", None) != 404:
-                raise
-            continue  # no such track
-        version = (dep.metadata.labels or {}).get(VERSION_LABEL)
-        if version:
-            live.setdefault(version, None)
-    return live
+    return deploy_target(estate, endpoint, state_dir=Path(settings.state_dir)).live_versions()
 
 
 def k8s_served_versions(estate, settings, endpoint: str, problems: list[Problem]) -> list[dict[str, Any]]:
