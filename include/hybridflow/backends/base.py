@@ -254,6 +254,11 @@ class GangBackend(ABC):
         """GPUs in use, queued, and held per team on the cluster, now (never raises: an unreadable
         cluster is :meth:`ClusterLoad.unknown`)."""
 
+    def standing(self, name: str) -> QueueStanding:
+        """Where gang ``name`` stands among the gangs waiting on the cluster now (position 0: it is not
+        waiting, or the cluster could not be read): the position a waiting status is reported with."""
+        return standing_in(self.load(), name)
+
     def usage(self) -> int:
         return self.load().used
 

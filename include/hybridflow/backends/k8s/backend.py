@@ -41,10 +41,8 @@ from hybridflow.backends.base import (
     GangBackend,
     GangJob,
     GangRemnant,
-    QueueStanding,
     instance_identity,
     owner_annotations,
-    standing_in,
 )
 from hybridflow.backends.errors import GangFailed, GangNotAdmitted, PreemptionBudgetSpent
 from hybridflow.backends.k8s import load as _load
@@ -444,11 +442,6 @@ class KubernetesGangBackend(GangBackend):
 
     def _unknown(self, reason: str) -> ClusterLoad:
         return ClusterLoad.unknown(self.cluster_name, self.cluster.total_gpus, reason)
-
-    def standing(self, name: str) -> QueueStanding:
-        """Where gang job ``name`` stands among the gangs waiting on the cluster (position 0: it is
-        not waiting, or the cluster could not be read)."""
-        return standing_in(self.load(), name)
 
     def queue_exists(self, queue: str) -> bool | None:
         """Whether the scheduler has ``queue`` (a Volcano Queue; a Kueue LocalQueue in the namespace);
