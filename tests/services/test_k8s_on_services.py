@@ -124,10 +124,14 @@ def test_marking_the_deferred_train_task_failed_deletes_its_gang_within_10_s(clu
     assert annotations["hybridflow.io/task-id"] == "train" and annotations["hybridflow.io/try-number"] == "1"
     stack.api("PATCH", f"/dags/{DAG}/dagRuns/{run_id}/taskInstances/train", json={"new_state": "failed"})
     marked = time.monotonic()
-    wait_for(f"gang {job} to be deleted", lambda: not _gang_jobs(sim, server), 10, interval=0.2,
+    def gone() -> bool:  # the job, its pods and its credentials Secret (deleted one after the other)
+        if _gang_jobs(sim, server):
+            return False
+        with server.lock:
+            return not sim.pod_names(job) and not sim.secrets
+
+    wait_for(f"gang {job} with its pods and Secret to be deleted", gone, 10, interval=0.2,
              diagnose=lambda: stack.task_log(DAG, run_id, "train")[-6000:] + stack.tail_logs("triggerer"))
-    with server.lock:
-        assert not sim.pod_names(job) and not sim.secrets
     print(f"gang deleted {time.monotonic() - marked:.1f} s after the task was marked failed")
     assert stack.wait_for_run(DAG, run_id) == "failed"
 
