@@ -281,7 +281,7 @@ def _side_gang(name: str, priority: str, queue: str, seconds: float, sim: SimClu
     backend = KubernetesGangBackend(cluster, image="trainer:1", hook=hook,
                                     command=("python", "-c", f"import time; time.sleep({seconds})"))
     job = GangJob(name=name, workers=2, spec={}, labels={"priority": priority}, env={})
-    backend.submit(backend.gang_spec(job, pool=cluster.node_pools[0].name, queue=queue))
+    backend.submit_spec(backend.gang_spec(job, pool=cluster.node_pools[0].name, queue=queue))
     return name
 
 

@@ -27,7 +27,7 @@ def _backend(scheduler: str, ns: str) -> KubernetesGangBackend:
 
 
 def _submit(backend, job, pool: str = "h100") -> None:
-    backend.submit(backend.gang_spec(job, pool=pool, queue="vision"), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool=pool, queue="vision"), job.env)
 
 
 def _bound(real, gang: str) -> list[str]:

@@ -28,7 +28,7 @@ def test_an_xid_cordons_the_node_and_its_gang_restarts_on_the_other_node(real, s
     cluster = real_cluster(scheduler, real.ns)
     backend = KubernetesGangBackend(cluster, image="registry.local/train:1", read_timeout_s=10, cache_s=0)
     job = GangJob(name=f"train-nh-{scheduler}", workers=2, spec={"run_key": "nh"}, labels={"team": "vision"})
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), {})
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), {})
 
     def placed() -> dict[str, str]:
         return {p.metadata.uid: p.spec.node_name for p in real.pods(job.name)  # Volcano reuses pod names

@@ -57,9 +57,9 @@ def test_a_critical_gang_evicts_a_batch_gang_which_resumes_from_its_checkpoint(r
     backend = _backend(real.ns, script, max_retry=1 if scheduler == "kueue" else 2, scheduler=scheduler)
     seen = len(agent.exits)
     batch, critical = _gang("batch", 6, "batch", 60, work), _gang("urgent", 4, "critical", 1, work)
-    backend.submit(backend.gang_spec(batch, pool="run", queue="vision"), batch.env)
+    backend.submit_spec(backend.gang_spec(batch, pool="run", queue="vision"), batch.env)
     until(lambda: len(list(work.glob(f"{batch.name}-*.ready"))) == 6, 90, "every batch rank at work")
-    backend.submit(backend.gang_spec(critical, pool="run", queue="vision"), critical.env)
+    backend.submit_spec(backend.gang_spec(critical, pool="run", queue="vision"), critical.env)
 
     status = backend.run(batch, pool="run", queue="vision", admission_timeout_s=120, poll_s=0.5)
     # One preemption, one restart, on either scheduler: a restarted Volcano gang's pods reuse their names,
@@ -83,9 +83,9 @@ def test_a_second_eviction_past_the_budget_stops_the_gang(real, agent, worker):
     real.kueue_queues({"vision": 8}, preemption="LowerPriority")
     backend = _backend(real.ns, script, max_retry=0)
     batch, critical = _gang("batch", 6, "batch", 60, work, resume_s=60), _gang("urgent", 4, "critical", 1, work)
-    backend.submit(backend.gang_spec(batch, pool="run", queue="vision"), batch.env)
+    backend.submit_spec(backend.gang_spec(batch, pool="run", queue="vision"), batch.env)
     until(lambda: len(list(work.glob(f"{batch.name}-*.ready"))) == 6, 90, "every batch rank at work")
-    backend.submit(backend.gang_spec(critical, pool="run", queue="vision"), critical.env)
+    backend.submit_spec(backend.gang_spec(critical, pool="run", queue="vision"), critical.env)
     with pytest.raises(PreemptionBudgetSpent, match="preempted 1 times, more than the 0 restarts"):
         backend.run(batch, pool="run", queue="vision", admission_timeout_s=120, poll_s=0.5)
     until(lambda: real.pods(batch.name) == [], 60, "the stopped gang's pods to be gone")

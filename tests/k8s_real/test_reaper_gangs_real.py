@@ -34,7 +34,7 @@ def _submit(backend, run_id: str, *, instance: str = MINE) -> str:
     job = GangJob(name=name, workers=2, spec={"run_key": run_key}, env={"AWS_SECRET_ACCESS_KEY": "xxxxxx"},
                   labels={"project": "digits", "team": "vision", "priority": "normal"}, owner=train_owner(run_id))
     spec = backend.gang_spec(job, pool="h100", queue="vision")  # labelled with HYBRIDFLOW_INSTANCE
-    backend.submit(dataclasses.replace(spec, labels={**spec.labels, "instance": instance}), job.env)
+    backend.submit_spec(dataclasses.replace(spec, labels={**spec.labels, "instance": instance}), job.env)
     return name
 
 

@@ -31,7 +31,7 @@ def _gang(real, scheduler: str, *, pool: str, command=None) -> str:
                                     read_timeout_s=10, **kw)
     job = GangJob(name=f"train-r1-{scheduler}", workers=4, spec={"run_key": "r1"}, env={"TOKEN": "s3cr3t"},
                   labels={"team": "vision"})
-    backend.submit(backend.gang_spec(job, pool=pool, queue="vision"), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool=pool, queue="vision"), job.env)
     return job.name
 
 

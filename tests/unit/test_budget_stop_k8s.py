@@ -66,7 +66,7 @@ def _start(cluster: Cluster, sim: SimCluster) -> dict[str, str]:
         job = GangJob(name=name, workers=2, spec={"run_key": key, "train_steps": 100}, env={"TOKEN": "x"},
                       labels={"project": project, "team": "vision", "priority": priority,
                               "interruptible": interruptible})
-        backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+        backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
         names[key] = name
     sim.run(3)
     assert all(backend.status(n).phase == RUNNING and len(sim.pod_names(n)) == 2 for n in names.values())

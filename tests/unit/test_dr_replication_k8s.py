@@ -402,7 +402,7 @@ def test_a_pass_finds_critical_training_running_on_a_kubernetes_cluster(tmp_path
         gang = gang_job_name("train_model", run, "train", onprem.name, readable=f"train-{run}")
         job = GangJob(name=gang, workers=2, spec={"run_key": run}, labels={"project": "digits-ocr",
                                                                          "team": "perception", "priority": priority})
-        backend.submit(backend.gang_spec(job, pool="a100", queue=estate.queue_of("perception")))
+        backend.submit_spec(backend.gang_spec(job, pool="a100", queue=estate.queue_of("perception")))
         start_attempt(home.settings.private_root / "runs" / run / ATTEMPTS_FILE, 1, "try-1", 2, onprem.name,
                       gang=gang)
         place = CheckpointStore(open_store(checkpoint_store_spec(run, onprem, home.settings)))

@@ -79,7 +79,7 @@ def _submit(sim: SimCluster, scheduler: str) -> str:
     backend = _backend(scheduler)
     job = GangJob(name="train-r1-0123456789", workers=2, spec={"run_key": "r1"}, env={"TOKEN": "x"},
                   labels={"team": "vision"})
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
     sim.run(3)
     return job.name
 

@@ -100,7 +100,7 @@ def test_volcano_gang_is_submitted_admitted_together_and_succeeds(sim):
 
 def test_no_partial_start_when_the_pool_lacks_capacity(sim):
     held = _job(4, run_id="other")
-    _backend("volcano").submit(_backend("volcano").gang_spec(held, pool="h100", queue="vision"), SECRET_ENV)
+    _backend("volcano").submit_spec(_backend("volcano").gang_spec(held, pool="h100", queue="vision"), SECRET_ENV)
     sim.run(2)  # the first gang holds one h100 node
     job = _job(6)  # 6 > 4 free h100 GPUs (the a100 node is free but not in the pool)
     clock = Clock(sim)
@@ -116,7 +116,7 @@ def test_no_partial_start_when_the_pool_lacks_capacity(sim):
 def test_retry_reattaches_instead_of_creating_a_second_job(sim):
     job = _job(4)
     first = _backend("volcano")
-    sub = first.submit(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    sub = first.submit_spec(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     assert sub.created and sub.status.phase == PENDING
     sim.run(2)
     # The worker running the task died; the retry (a fresh backend, same run) finds the job by name.
@@ -124,7 +124,7 @@ def test_retry_reattaches_instead_of_creating_a_second_job(sim):
     status = _run(_backend("volcano"), job, clock)
     assert status.phase == SUCCEEDED
     assert sim.calls.count(f"create vcjob {job.name}") == 1 and len(sim.vcjobs) == 1
-    again = _backend("volcano").submit(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    again = _backend("volcano").submit_spec(first.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     assert not again.created and again.status.phase == SUCCEEDED  # a cleared, finished task does not rerun
 
 
@@ -161,7 +161,7 @@ def test_an_application_failure_fails_the_gang_at_once_naming_the_rank(sim, sche
     assert "exited 3" in str(info.value) and clock.ticks <= 4  # no restart: the task's own retries apply
     assert all(sim.pods[(NS, p)]["phase"] == "Failed" for p in sim.pod_names(job.name))  # nothing runs on
     # The retry of the failed task starts the gang afresh under the same name.
-    sub = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    sub = backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     assert sub.created and sim.pod_names(job.name) == []
 
 
@@ -205,7 +205,7 @@ def test_kueue_eviction_of_a_whole_gang_spends_only_the_preemption_budget(sim):
 def test_on_kill_deletes_the_job_its_pods_and_secret(sim):
     job = _job(4)
     backend = _backend("volcano")
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     sim.run(2)
     assert len(sim.pod_names(job.name)) == 4
     assert backend.cancel(job.name) is True
@@ -272,7 +272,7 @@ def test_trigger_serialize_round_trips():
 def test_trigger_waits_for_the_gang_and_reports_success(sim):
     job = _job(4)
     backend = _backend("volcano")
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     reads = []
 
     def time_passes():
@@ -291,7 +291,7 @@ def test_trigger_not_admitted_after_the_deadline(sim):
     job = _job(4)
     sim.kueue_admits = False
     backend = _backend("kueue")
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     event = asyncio.run(_first_event(_trigger(job.name, scheduler="kueue", submitted_at=time.time() - 120)))
     assert event["status"] == "not_admitted" and not event["admitted"]
     with pytest.raises(GangNotAdmitted):
@@ -328,10 +328,10 @@ def test_a_missing_scratch_claim_is_refused_before_anything_is_created(sim, sche
     sim.claims = set()
     with pytest.raises(GangError, match=r"clusters.cloud-east.scratch_claim: no PersistentVolumeClaim 'team-scratch' "
                                         r"in namespace 'hybridflow'.*create the claim there.*nothing was submitted"):
-        backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+        backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     assert not [c for c in sim.calls if c.startswith("create")] and not sim.secrets
     sim.claims = {(NS, "team-scratch")}  # the admins made it: the same gang goes in
-    submitted = backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
+    submitted = backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), SECRET_ENV)
     assert submitted.created and (NS, f"{job.name}-env") in sim.secrets
 
 

@@ -50,7 +50,7 @@ def test_another_process_reaches_the_same_simulator_through_the_kubeconfig(monke
     with serve(monkeypatch, sim) as server:
         backend = KubernetesGangBackend(private_h100_cluster("volcano"), image="registry.local/train:1")
         job = GangJob(name="train-r1-0123456789", workers=2, spec={"run_key": "r1"}, labels={"team": "vision"})
-        backend.submit(backend.gang_spec(job, pool="h100", queue="vision"))
+        backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"))
         path = server.write_kubeconfig(tmp_path / "kubeconfig")
         child = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=60,
                                check=False)

@@ -78,7 +78,7 @@ def _submit(backend: KubernetesGangBackend, run: str, workers: int, queue: str, 
     name = gang_job_name("train_model", run, "train", backend.cluster_name, readable=f"train-{run}")
     job = GangJob(name=name, workers=workers, spec={"run_key": run}, env={"AWS_SECRET_ACCESS_KEY": "x"},
                   labels={"project": "digits", "team": team, "priority": priority, **labels})
-    backend.submit(backend.gang_spec(job, pool="h100", queue=queue), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue=queue), job.env)
     return name
 
 

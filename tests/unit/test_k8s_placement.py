@@ -57,7 +57,7 @@ def _occupy(sim: SimCluster, gpus: int, queue: str, team: str, run: str = "other
     backend = KubernetesGangBackend(estate.clusters[K8S], image="img")
     job = GangJob(name=f"train-{run}", workers=gpus, spec={"run_key": run},
                   labels={"project": "p", "team": team, "priority": "normal"})
-    backend.submit(backend.gang_spec(job, pool="a100", queue=queue))
+    backend.submit_spec(backend.gang_spec(job, pool="a100", queue=queue))
     sim.run(3)
     load_module.clear_cache()
     return job.name

@@ -74,9 +74,9 @@ def test_a_critical_gang_evicts_the_batch_gang_which_resumes_from_its_checkpoint
     normal = _gang("normal", 2, "normal", 60, tmp_path)
     backend = _backend(scheduler, script, max_retry=1)
     for gang in (batch, normal):
-        backend.submit(backend.gang_spec(gang, pool="h100", queue="vision"), gang.env)
+        backend.submit_spec(backend.gang_spec(gang, pool="h100", queue="vision"), gang.env)
     _until(lambda: len(list(tmp_path.glob("*.ready"))) == 8, kubelet)  # every rank at work
-    backend.submit(backend.gang_spec(critical, pool="h100", queue="vision"), critical.env)
+    backend.submit_spec(backend.gang_spec(critical, pool="h100", queue="vision"), critical.env)
 
     status = backend.run(batch, pool="h100", queue="vision", admission_timeout_s=60, poll_s=0.02,
                          sleep=lambda s: (kubelet.step(), time.sleep(s)))

@@ -44,7 +44,7 @@ def _running_gang(sim: SimCluster, scheduler: str) -> str:
     backend = KubernetesGangBackend(private_h100_cluster(scheduler), image="registry.local/train:1")
     job = GangJob(name="train-r1-0123456789", workers=4, spec={"run_key": "r1"}, env={"TOKEN": "s3cr3t"},
                   labels={"team": "vision"})
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
     sim.run(3)
     assert len(sim.pod_names(job.name)) == 4
     return job.name

@@ -28,7 +28,7 @@ def sim(monkeypatch):
     install(monkeypatch, sim)
     backend = KubernetesGangBackend(private_h100_cluster("kueue"), image="registry.local/train:1")
     job = GangJob(name=NAME, workers=2, spec={"run_key": "r1"}, labels={"team": "vision"})
-    backend.submit(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
+    backend.submit_spec(backend.gang_spec(job, pool="h100", queue="vision"), job.env)
     sim.run(3)
     return sim
 

@@ -64,7 +64,7 @@ def _submit(sim, backend, run_id: str, *, instance: str | None = MINE) -> str:
     spec = backend.gang_spec(job, pool="h100", queue="vision")
     assert spec.labels["instance"] == MINE  # this instance's, from HYBRIDFLOW_INSTANCE
     labels = {k: v for k, v in spec.labels.items() if k != "instance"}
-    backend.submit(dataclasses.replace(spec, labels={**labels, **({"instance": instance} if instance else {})}),
+    backend.submit_spec(dataclasses.replace(spec, labels={**labels, **({"instance": instance} if instance else {})}),
                    job.env)
     store = sim.vcjobs if backend.scheduler == "volcano" else sim.jobs
     for obj in (store[(NS, name)], sim.secrets[(NS, f"{name}-env")]):  # as the backend annotates them

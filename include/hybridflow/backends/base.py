@@ -1,11 +1,14 @@
 """The contract every cluster backend keeps, and what placement reads from a cluster.
 
 A :class:`GangBackend` runs gang jobs on one cluster of the estate (``backend`` in clusters.yaml):
-submit or re-attach and wait (:meth:`GangBackend.run`), :meth:`~GangBackend.cancel` (the task was
-stopped), :meth:`~GangBackend.stop` (stopped for good, e.g. a budget freeze), and
+:meth:`~GangBackend.submit` a gang (or re-attach to it) and :meth:`~GangBackend.poll` its
+:class:`GangHandle` (waiting with its place in the queue, running, succeeded, preempted, stopped,
+failed with the reason), or both in one blocking :meth:`~GangBackend.run`; :meth:`~GangBackend.cancel`
+(the task was stopped), :meth:`~GangBackend.stop` (stopped for good, e.g. a budget freeze), and
 :meth:`~GangBackend.load`: GPUs in use, GPUs queued and GPUs held per team, as the cluster itself
-reports them. :func:`hybridflow.backends.gang_backend` is the one place that picks the
-implementation for a cluster.
+reports them; plus what a kind of backend offers (:attr:`~GangBackend.supervised_by_task`,
+:attr:`~GangBackend.reads_private_storage`). :func:`hybridflow.backends.gang_backend` is the one
+place that picks the implementation for a cluster.
 
 :class:`ClusterLoad` is what placement, the spill threshold and the team caps work from; a cluster
 whose load cannot be read is ``reachable=False`` with the reason, and placement never chooses it.
@@ -212,37 +215,83 @@ def standing_in(load: ClusterLoad, name: str) -> QueueStanding:
     return QueueStanding(load.cluster, 0, 0, load.free, load.capacity)
 
 
-# A gang's phase, whatever runs it: pending (not admitted yet), running, restarting (after a
-# preemption), succeeded, failed, missing (no such gang).
+# A gang's phase, whatever runs it: pending (waiting for admission), running, restarting (its
+# scheduler relaunches it after a preemption), succeeded, failed, missing (no such gang); and, where
+# the task relaunches the gang itself (the local backend), preempted (checkpointed and stopped: the
+# task may relaunch it) and stopped (stopped for good: a budget freeze, its cluster declared down).
 PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, MISSING = (
     "pending", "running", "restarting", "succeeded", "failed", "missing")
+PREEMPTED, STOPPED = "preempted", "stopped"
 APPLICATION, BUDGET_SPENT = "application", "preemption_budget"
 
 
 @dataclass(frozen=True)
 class GangStatus:
-    """One reading of a gang job: ``phase`` is one of pending (not admitted yet), running,
-    restarting, succeeded, failed, missing."""
+    """One reading of a gang job: ``phase`` is one of the phases above; ``message`` says why a gang
+    failed or stopped; ``standing`` is where a pending gang waits (its position in the queue)."""
 
     phase: str
     message: str = ""
     retries: int = 0  # gang restarts after a preemption so far
     cause: str = ""  # of a failure: APPLICATION (a worker failed) or BUDGET_SPENT (preempted too often)
+    standing: QueueStanding | None = field(default=None, compare=False)
 
     @property
     def terminal(self) -> bool:
-        return self.phase in (SUCCEEDED, FAILED, MISSING)
+        return self.phase in (SUCCEEDED, FAILED, MISSING, PREEMPTED, STOPPED)
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, "message": self.message, "retries": self.retries, "cause": self.cause}
 
 
+@dataclass(frozen=True)
+class GangHandle:
+    """A submitted gang, as :meth:`GangBackend.submit` returns it for :meth:`GangBackend.poll`.
+
+    ``created`` False: a gang of that name was already there and submit re-attached to it;
+    ``admitted``: the gang held its GPUs already when submit returned.
+    ``state`` is the backend's own: the local backend keeps the gang's worker processes there, so
+    its handle is good only in the thread that submitted it (the workers die with it; see
+    :attr:`GangBackend.supervised_by_task`); a Kubernetes handle is the job's name and holds nothing."""
+
+    cluster: str
+    name: str
+    attempt: str
+    created: bool = True
+    admitted: bool = False
+    submitted_at: float = 0.0
+    state: Any = field(default=None, compare=False, repr=False)
+
+
 class GangBackend(ABC):
-    """Gang jobs on one cluster. Waiting and running end in the errors of
-    :mod:`hybridflow.backends.errors`: ``GangNotAdmitted`` when the gang was not admitted in time,
-    ``GangPreempted``, ``GangStopped``, ``GangFailed``."""
+    """Gang jobs on one cluster: :meth:`submit` a gang, :meth:`poll` its handle until its status is
+    terminal, :meth:`cancel` or :meth:`stop` it, read the cluster's :meth:`load`. Each backend's blocking
+    ``run`` is submit and poll in a loop, ending in the errors of :mod:`hybridflow.backends.errors`:
+    ``GangNotAdmitted`` when the gang was not admitted in time, ``GangPreempted``, ``GangStopped``,
+    ``GangFailed``."""
 
     cluster_name: str
+
+    @abstractmethod
+    def submit(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> GangHandle:
+        """Hand ``job`` to the cluster (on node pool ``pool``, in queue ``queue`` where the cluster names
+        them), or re-attach to the gang of that name this run already has there. Returns at once: the
+        gang waits for admission on the cluster, and :meth:`poll` says how it goes."""
+
+    @abstractmethod
+    def poll(self, handle: GangHandle) -> GangStatus:
+        """Where the submitted gang is now: pending with its :class:`QueueStanding`, running,
+        restarting, or terminal (succeeded; preempted or stopped with the reason; failed with the
+        reason). Where the task supervises the gang (:attr:`supervised_by_task`), polling is what
+        moves it on: it starts the workers once admitted and stops the others after a first failure."""
+
+    @abstractmethod
+    def run(self, job: GangJob, *, pool: str | None = None, queue: str | None = None, admission_timeout_s: float,
+            log: Any = None, **waiting: Any) -> Any:
+        """:meth:`submit` and :meth:`poll` until the gang ended, blocking: returns when it succeeded,
+        raises ``GangNotAdmitted`` when it was not admitted within ``admission_timeout_s`` and the
+        other errors of :mod:`hybridflow.backends.errors` when it did not succeed. ``waiting`` holds what
+        a backend's own wait takes (its poll interval, the place an earlier try kept in the queue)."""
 
     @abstractmethod
     def status(self, name: str) -> GangStatus:

@@ -1,12 +1,14 @@
 """The local gang backend: a training gang as N worker processes on this machine.
 
-What the train task needs from a gang backend (the Kubernetes backend provides the same):
-``run(GangJob, admission_timeout_s=, log=) -> GangResult`` (blocks until every worker exited 0;
-raises :class:`GangNotAdmitted` when the gang was not admitted in time, so the caller can fail over
-to the next placement candidate, :class:`GangPreempted` after a checkpointed stop it may relaunch,
-:class:`GangStopped` for a stop for good, :class:`GangFailed` otherwise), ``cancel(job_name)`` for
-``on_kill``, and ``usage()`` / ``queued()`` (GPUs held and waiting) for placement. ``GangJob.labels``
-carries project, team and priority; ``team_cap`` on the job holds a team at its ``gpu_cap``.
+The contract of :class:`~hybridflow.backends.base.GangBackend`: ``submit(GangJob)`` queues the gang
+and ``poll(handle)`` moves it on (admits it, starts its workers, supervises them) and says where it
+is; ``run(GangJob, admission_timeout_s=, log=) -> GangResult`` is both in a loop (blocks until every
+worker exited 0; raises :class:`GangNotAdmitted` when the gang was not admitted in time, so the
+caller can fail over to the next placement candidate, :class:`GangPreempted` after a checkpointed
+stop it may relaunch, :class:`GangStopped` for a stop for good, :class:`GangFailed` otherwise),
+``cancel(job_name)`` for ``on_kill``, and ``load()`` (GPUs held and waiting) for placement.
+``GangJob.labels`` carries project, team and priority; ``team_cap`` on the job holds a team at its
+``gpu_cap``.
 
 A cluster's GPUs are modelled as slots in a pool file shared by every launcher on the machine
 (Airflow workers, tests, the CLI). A gang is admitted only when all of its slots can be taken at
@@ -17,9 +19,9 @@ not leak slots: the next acquirer reclaims them.
 Workers die with their launcher (``PR_SET_PDEATHSIG``): an orphaned gang would keep training,
 keep its slots' GPUs busy and race a rerun for the same checkpoints.
 
-Its pieces: ``local_slots`` (the slot pool), ``local_processes`` (liveness, death with the
-launcher) and ``local_failures`` (what a failed gang raises); this module admits, launches and
-supervises gangs.
+Its pieces: ``local_slots`` (the slot pool), ``local_queue`` (admission), ``local_launch`` (one
+gang from submit to its end, a poll at a time), ``local_processes`` (liveness, death with the
+launcher) and ``local_failures`` (what a failed gang raises).
 """
 
 
@@ -43,6 +45,7 @@ from hybridflow.backends.base import (
     RUNNING,
     ClusterLoad,
     GangBackend,
+    GangHandle,
     GangJob,
     GangRemnant,
     GangStatus,
@@ -174,63 +177,91 @@ class LocalGangBackend(LocalQueue, GangBackend):
         (``instance``), written when it first asks for slots."""
         return self.job_dir(job_name) / "owner.json"
 
-    # -- admission ---
+    # -- submit, poll, run ---
+    def submit(self, job: GangJob, *, pool: str | None = None, queue: str | None = None,
+               log: Callable[[str], None] | Any = print, queued_since: float | None = None,
+               on_admitted: Callable[[float], None] | None = None) -> GangHandle:
+        """Queue ``job`` for its slots (one try to take them now); :meth:`poll` starts its workers once
+        admitted and supervises them. ``log`` takes one line, or is a logger (lines go to ``log.info``);
+        ``queued_since`` (epoch) keeps the place an earlier try already waited for; ``on_admitted`` is
+        called with the seconds waited. Node pools and queues are not named on a local cluster.
+
+        The handle is good only in this thread: the workers die when the thread that started them
+        exits (PR_SET_PDEATHSIG). Whoever submits polls until the status is terminal, or closes the
+        handle (:meth:`close`), which a terminal poll does itself."""
+        from hybridflow.backends.local_launch import LocalLaunch, step
+
+        _check_job(job)
+        if hasattr(log, "info"):  # a logging/structlog logger, e.g. an operator's self.log
+            log = log.info
+        submitted_at = time.time()
+        launch = LocalLaunch(job=job, log=log, since=queued_since or submitted_at, on_admitted=on_admitted)
+        step(self, launch)
+        return GangHandle(self.cluster, job.name, job.attempt, created=True, admitted=launch.admitted,
+                          submitted_at=submitted_at, state=launch)
+
+    def poll(self, handle: GangHandle) -> GangStatus:
+        """One step of the gang's life (``local_launch.step``); a handle submitted in another process
+        carries no launch, and reads :meth:`status` instead."""
+        from hybridflow.backends.local_launch import step
+
+        if handle.state is None:
+            return self.status(handle.name)
+        return step(self, handle.state)
+
+    def close(self, handle: GangHandle) -> None:
+        """Give up on a gang before it ended: it leaves the queue, or its workers are stopped and its
+        slots released."""
+        from hybridflow.backends.local_launch import close
+
+        if handle.state is not None:
+            close(self, handle.state)
+
     def run(
         self,
         job: GangJob,
         *,
+        pool: str | None = None,
+        queue: str | None = None,
         admission_timeout_s: float,
         log: Callable[[str], None] | Any = print,
         queued_since: float | None = None,
         on_admitted: Callable[[float], None] | None = None,
     ) -> GangResult:
-        """Admit, launch and supervise the gang; returns when every worker exited 0.
+        """:meth:`submit` and :meth:`poll` until the gang ended; returns when every worker exited 0.
 
-        ``log`` is a callable taking one line, or a logger (lines go to ``log.info``).
-
-        Raises GangError if not admitted or a worker fails (GangPreempted for exit 75). The slots
-        are released however this ends. Call from a long-lived thread: PR_SET_PDEATHSIG fires when
-        the launching *thread* exits.
+        Raises GangNotAdmitted when the gang is not admitted within ``admission_timeout_s`` (it leaves
+        the queue), GangPreempted for exit 75, GangStopped for a stop for good, GangFailed otherwise.
+        The slots are released however this ends. Call from a long-lived thread: PR_SET_PDEATHSIG
+        fires when the launching *thread* exits.
         """
-        _check_job(job)
-        if hasattr(log, "info"):  # a logging/structlog logger, e.g. an operator's self.log
-            log = log.info
-        queued_s = self._admit(job, admission_timeout_s, log, queued_since)
-        procs: list[subprocess.Popen] = []
+        deadline = time.monotonic() + admission_timeout_s
+        handle = self.submit(job, pool=pool, queue=queue, log=log, queued_since=queued_since, on_admitted=on_admitted)
+        launch = handle.state
         try:
-            if on_admitted is not None:
-                on_admitted(queued_s)
-            self._stop_leftovers(job.name, log)
-            # A stop asked for an earlier launch; this one was started after it (a cleared task).
-            self._stop_path(job.name).unlink(missing_ok=True)
-            run_dir = self.job_dir(job.name) / job.attempt
-            run_dir.mkdir(parents=True, exist_ok=True)
-            spec_path = run_dir / "job.json"
-            _atomic_write_json(spec_path, job.spec)
-            log_paths = [run_dir / f"rank-{r}.log" for r in range(job.workers)]
-            port = _free_port()
-            base_env = _gang_env(job, port)
-            log(
-                f"gang {job.name} attempt {job.attempt}: starting {job.workers} workers on "
-                f"{self.cluster} (master 127.0.0.1:{port}, logs {run_dir})"
-            )
-            # A reused attempt label appends to its logs; stream only what this launch writes.
-            rank0_offset = log_paths[0].stat().st_size if log_paths[0].exists() else 0
-            started = time.monotonic()
-            _launch(job, base_env, spec_path, run_dir, log_paths, procs)
-            self._write_record(job, procs)
-            codes, first_failure = self._supervise(job, procs, log_paths[0], rank0_offset, log)
-            seconds = time.monotonic() - started
-            failed = [(r, c) for r, c in enumerate(codes) if c != 0]
-            if failed:
-                self._raise_failure(job, failed, first_failure, log_paths)
-            log(f"gang {job.name}: all {job.workers} workers finished in {seconds:.1f}s")
-            return GangResult(exit_codes=codes, seconds=seconds, log_paths=log_paths, job_dir=run_dir,
-                              queued_s=queued_s)
+            while True:
+                status = self.poll(handle)
+                if status.terminal:
+                    break
+                if status.phase == PENDING:
+                    if time.monotonic() >= deadline:
+                        self._not_admitted(job, admission_timeout_s, launch.since, status.standing)
+                    time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+                else:
+                    time.sleep(self.poll_s)
         finally:
-            self._terminate(procs)
-            self._record_path(job.name).unlink(missing_ok=True)
-            self.pool.release(job.name)
+            self.close(handle)
+        if launch.error is not None:
+            raise launch.error
+        return GangResult(exit_codes=[p.returncode for p in launch.procs], seconds=launch.seconds,
+                          log_paths=launch.log_paths, job_dir=launch.run_dir, queued_s=launch.queued_s)
+
+    def _not_admitted(self, job: GangJob, admission_timeout_s: float, since: float, standing: QueueStanding) -> NoReturn:
+        cap = (f"team {job.team!r} holds its gpu_cap of {job.team_cap} GPUs" if standing.over_team_cap
+               else standing.describe())
+        raise GangNotAdmitted(
+            f"gang {job.name!r} not admitted within {admission_timeout_s:g}s on cluster {self.cluster!r}: {cap}",
+            cluster=self.cluster, over_team_cap=standing.over_team_cap, queued_since=since, standing=standing)
 
     def _write_record(self, job: GangJob, procs: list[subprocess.Popen]) -> None:
         # Also read (never written) by metering.local_exporter, the stand-in dcgm-exporter of
@@ -262,49 +293,6 @@ class LocalGangBackend(LocalQueue, GangBackend):
         if code == PREEMPTED_EXIT_CODE and stop is not None:
             self._stop_path(job.name).unlink(missing_ok=True)
         raise _gang_error(job.name, failed, rank, code, log_paths, stop)
-
-    def _supervise(
-        self,
-        job: GangJob,
-        procs: list[subprocess.Popen],
-        rank0_log: Path,
-        rank0_offset: int,
-        log: Callable[[str], None],
-    ) -> tuple[list[int], tuple[int, int] | None]:
-        """Wait for all workers, streaming rank 0's log; on the first failure stop the others.
-        Returns the exit codes and the (rank, code) of the first failure seen."""
-        first_failure: tuple[int, int] | None = None
-        partial = b""
-        with open(rank0_log, "rb") as stream:
-            stream.seek(rank0_offset)
-
-            def pump() -> None:
-                nonlocal partial
-                chunk = stream.read()
-                if chunk:
-                    *lines, partial = (partial + chunk).split(b"\n")
-                    for line in lines:
-                        log(line.decode(errors="replace"))
-
-            while True:
-                pump()
-                codes = [p.poll() for p in procs]
-                if first_failure is None:
-                    failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                    if failed:
-                        first_failure = failed[0]
-                        log(
-                            f"gang {job.name}: rank {failed[0][0]} exited {failed[0][1]}; stopping the other workers"
-                        )
-                        self._terminate(procs)
-                        continue
-                if all(c is not None for c in codes):
-                    break
-                time.sleep(self.poll_s)
-            pump()
-            if partial:
-                log(partial.decode(errors="replace"))
-        return [p.returncode for p in procs], first_failure
 
     def _terminate(self, procs: list[subprocess.Popen]) -> None:
         """SIGTERM (workers checkpoint and exit 75), then SIGKILL after the grace period."""

@@ -5,11 +5,9 @@ gangs), and a critical gang stopping batch gangs in its way. Mixed into
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from hybridflow.backends.base import INSTANCE_KEY, GangJob, instance_identity
-from hybridflow.backends.errors import GangNotAdmitted
 from hybridflow.backends.local_slots import _atomic_write_json, _read_json
 from hybridflow.errors import GangError
 
@@ -66,37 +64,6 @@ class LocalQueue:
             _check_job(job)
             _atomic_write_json(self.owner_path(job.name), owner)
 
-    def _admit(self, job: GangJob, admission_timeout_s: float, log: Callable[[str], None],
-               queued_since: float | None) -> float:
-        """Wait up to ``admission_timeout_s`` for the gang's slots; returns the seconds it waited
-        since it first queued (``queued_since``, epoch, when an earlier try already waited)."""
-        deadline = time.monotonic() + admission_timeout_s
-        since = queued_since or time.time()
-        announced = False
-        preempted: set[str] = set()
-        try:
-            while not self.admit_step(job, since=since, preempted=preempted, log=log):
-                standing = self.pool.standing(job.name)
-                if time.monotonic() >= deadline:
-                    cap = (f"team {job.team!r} holds its gpu_cap of {job.team_cap} GPUs" if standing.over_team_cap
-                           else standing.describe())
-                    raise GangNotAdmitted(
-                        f"gang {job.name!r} not admitted within {admission_timeout_s:g}s on cluster "
-                        f"{self.cluster!r}: {cap}", cluster=self.cluster, over_team_cap=standing.over_team_cap,
-                        queued_since=since, standing=standing,
-                    )
-                if not announced:
-                    why = (f"team {job.team} at its gpu_cap of {job.team_cap}" if standing.over_team_cap
-                           else standing.describe())
-                    log(f"gang {job.name}: waiting for {job.workers} free slots on {self.cluster} "
-                        f"(priority {job.priority}; {why})")
-                    announced = True
-                time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-        finally:
-            self.pool.withdraw(job.name)
-        held = self.pool.holdings().get(job.name, {})
-        return max(0.0, time.time() - float(held.get("queued_since") or since))
-
     def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
         """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
         preempted (its train task relaunches it, and it queues behind this critical gang)."""
@@ -126,4 +93,3 @@ class LocalQueue:
             free += slots
         return chosen
 
-    # -- run ---

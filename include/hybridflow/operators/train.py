@@ -56,7 +56,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         from hybridflow.errors import AdmissionError
         from hybridflow.request import AdmittedRun
         from hybridflow.settings import get_settings
-        from hybridflow.training.failover import current_placement
+        from hybridflow.training.failover import resume_placement
 
         settings = get_settings()
         estate = load_estate(settings.config_dir)
@@ -65,7 +65,9 @@ class GangTrainOperator(QueueWaits, BaseOperator):
             refuse_if_frozen(req.project, req.priority, req.budget_override, estate)
         except AdmissionError as exc:
             raise AirflowFailException(f"not started: {exc}") from exc
-        placement, staged = current_placement(self.run, self.placement, self.staged, settings)
+        placement, staged = dict(self.placement), dict(self.staged)
+        if RunIdentity.from_context(context).try_number > 1:  # a retry or a cleared task: where is the work?
+            placement, staged = resume_placement(self.run, placement, staged, estate, settings)
         return self._train_with_failover(context, settings, estate, placement, staged)
 
     def execute_complete(self, context, event: dict, placement: dict, staged: dict, attempt: dict,
@@ -221,7 +223,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         """Submit the gang (or re-attach to the one this run already has there) and wait for it, in
         the triggerer when ``training.kubernetes_deferrable`` (no worker slot held for hours)."""
         from hybridflow.backends import gang_backend
-        from hybridflow.backends.base import MISSING, PENDING, GangJob
+        from hybridflow.backends.base import GangJob
         from hybridflow.backends.errors import GangNotAdmitted
         from hybridflow.queueing import hold_for_team_cap
 
@@ -243,11 +245,11 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         attempt = self._begin_attempt(job, label)
         if cfg.kubernetes_deferrable:
             try:
-                sub = backend.submit(backend.gang_spec(gang, pool=pool, queue=queue), gang.env)
+                handle = backend.submit(gang, pool=pool, queue=queue)
             except BaseException as exc:
                 self._end_attempt_on_error(job, attempt, exc, estate)
-            self._defer_to_gang(job, backend, estate, attempt, started, queued_since or started, created=sub.created,
-                                admitted=sub.status.phase not in (PENDING, MISSING))
+            self._defer_to_gang(job, backend, estate, attempt, started, queued_since or started,
+                                created=handle.created, admitted=handle.admitted)
         try:
             status = backend.run(gang, pool=pool, queue=queue, admission_timeout_s=cfg.gang_admission_timeout_s,
                                  poll_s=cfg.kubernetes_poll_s, log=self.log)

@@ -6,15 +6,15 @@ Kueue-managed Jobs, ``core_v1_client`` for the companion Secret and Service), so
 stays in the Airflow Connection.
 
 Re-runnable by construction: the job's name derives from the run (``gang_job_name``), and
-:meth:`KubernetesGangBackend.submit` first looks for a job of that name. An active or finished one
+:meth:`KubernetesGangBackend.submit_spec` first looks for a job of that name. An active or finished one
 is re-attached (a retried or cleared task never starts a second gang); a failed one is deleted
 and submitted afresh, since that is what a retry asks for.
 
 Same contract as the local backend where it matters to the train task: :meth:`run` blocks until
 the gang succeeded and raises ``GangNotAdmitted`` (the job keeps its place in the queue; the train
 task deletes it if the run moves to another cluster) or ``GangFailed``; :meth:`cancel` is for ``on_kill``. The
-deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger`,
-then :meth:`outcome` on its event.
+deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger` (which
+polls the job's status), then :meth:`outcome` on its event.
 
 :meth:`KubernetesGangBackend.load` reads what placement needs from the cluster's gang scheduler
 itself (details in :mod:`hybridflow.backends.k8s.load`): Volcano's cluster-scoped Queues
@@ -29,6 +29,7 @@ of the same Connection, namespace and scheduler; an unreadable cluster is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from hybridflow.backends.base import (
     INSTANCE_KEY,
     ClusterLoad,
     GangBackend,
+    GangHandle,
     GangJob,
     GangRemnant,
     instance_identity,
@@ -88,6 +90,11 @@ class Submission:
     namespace: str
     created: bool  # False: a job of this name already existed and was re-attached
     status: GangStatus
+
+
+def _rank_failure(failure: _pods.PodEnd) -> str:
+    return (f"rank {failure.rank} (pod {failure.pod}) exited {failure.exit_code}"
+            f"{': ' + failure.message if failure.message else ''}")
 
 
 def _status_code(exc: BaseException) -> int | None:
@@ -199,8 +206,26 @@ class KubernetesGangBackend(GangBackend):
         return read_status(self.hook, self.scheduler, self.namespace, name, timeout=self.read_timeout_s,
                            max_retry=self.max_retry)
 
-    def submit(self, spec: GangSpec, secret_env: Mapping[str, str] | None = None) -> Submission:
-        """Create the gang job, or re-attach to the one this run created before."""
+    def submit(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> GangHandle:
+        """Create ``job``'s gang job on node pool ``pool`` in queue ``queue`` (its store credentials in
+        the gang's Secret), or re-attach to the one this run created before."""
+        sub = self.submit_spec(self.gang_spec(job, pool=pool or "", queue=queue or ""), job.env)
+        return GangHandle(self.cluster_name, sub.name, job.attempt, created=sub.created,
+                          admitted=sub.status.phase not in (PENDING, MISSING), submitted_at=time.time())
+
+    def poll(self, handle: GangHandle) -> GangStatus:
+        """The job's status as its scheduler reports it; a pending one with its place in the queue."""
+        status = self.status(handle.name)
+        if status.phase == PENDING:
+            standing = self.standing(handle.name)
+            return dataclasses.replace(status, standing=standing, message=status.message or standing.describe())
+        failure = self._failed_rank(handle.name) if status.phase == FAILED and status.cause != BUDGET_SPENT else None
+        if failure is not None:
+            return dataclasses.replace(status, message=_rank_failure(failure))
+        return status
+
+    def submit_spec(self, spec: GangSpec, secret_env: Mapping[str, str] | None = None) -> Submission:
+        """Create the gang job from its manifest input, or re-attach to the one this run created before."""
         manifest = gang_manifest(spec, self.scheduler)  # validates spec before anything is sent
         existing = self.status(spec.name)
         replacing = existing.phase == FAILED
@@ -304,8 +329,7 @@ class KubernetesGangBackend(GangBackend):
                 rank=-1, exit_code=PREEMPTED_EXIT, log_tail=status.message)
         failure = self._failed_rank(name) if status.phase == FAILED else None
         if failure is not None:
-            raise GangFailed(f"{where} failed: rank {failure.rank} (pod {failure.pod}) exited {failure.exit_code}"
-                             f"{': ' + failure.message if failure.message else ''}", rank=failure.rank,
+            raise GangFailed(f"{where} failed: {_rank_failure(failure)}", rank=failure.rank,
                              exit_code=failure.exit_code or -1, log_tail=failure.message)
         raise GangFailed(f"{where} ended {status.phase} after "
                          f"{status.retries} restarts: {status.message or 'no reason given'}",
@@ -325,12 +349,13 @@ class KubernetesGangBackend(GangBackend):
                             "re-attaches to it")
         return self.outcome(event["name"], GangStatus(**event["gang"]), admitted=bool(event.get("admitted")))
 
-    def run(self, job: GangJob, *, pool: str, queue: str, secret_env: Mapping[str, str] | None = None,
+    def run(self, job: GangJob, *, pool: str | None = None, queue: str | None = None,
+            secret_env: Mapping[str, str] | None = None,
             admission_timeout_s: float, poll_s: float = 10.0, log: Any = None,
             sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> GangStatus:
         """Submit (or re-attach) and wait until the gang finished: the blocking form of the trigger."""
-        spec = self.gang_spec(job, pool=pool, queue=queue)
-        sub = self.submit(spec, secret_env if secret_env is not None else job.env)
+        spec = self.gang_spec(job, pool=pool or "", queue=queue or "")
+        sub = self.submit_spec(spec, secret_env if secret_env is not None else job.env)
         if log is not None:
             log.info("gang %s %s on %s (%s)", sub.name, "submitted" if sub.created else "re-attached",
                      self.cluster.name, self.scheduler)
