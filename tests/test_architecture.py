@@ -154,6 +154,29 @@ def test_placement_is_asked_only_through_its_entry():
     assert not offenders, f"these place a run without placement.decide: {offenders}"
 
 
+READS = {"read_text", "read_bytes", "open", "load", "loads", "_read_json", "read_json"}
+
+
+def test_a_placement_travels_only_as_the_task_s_xcom_and_its_copy_is_for_the_run_s_page():
+    """placement.json is written for the run's page; no function outside ui/ that names it reads a
+    file (a retried train task finds a move from the run's checkpoints, not from a copy)."""
+    readers = []
+    for path in PACKAGE.rglob("*.py"):
+        if unit_of(path) == "ui":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = ast.unparse(node)
+            if "PLACEMENT_FILE" not in body and "placement.json" not in body:
+                continue
+            calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                     for n in ast.walk(node) if isinstance(n, ast.Call)}
+            if calls & READS:
+                readers.append(f"{path.relative_to(PACKAGE)}::{node.name}")
+    assert not readers, f"these read the run's placement copy back: {readers}"
+
+
 def test_the_foundation_storage_and_validation_import_only_what_is_below_them():
     edges = dependency_map()
     for unit in FOUNDATION:

@@ -36,13 +36,13 @@ def two_private(tmp_path, monkeypatch):
 
 
 def _train_task(name: str, params: dict):
-    run, placement, _, op, context = train_task(name, {"cluster_preference": "private", **params})
-    return run, placement, op, context
+    run, placement, staged, op, context = train_task(name, {"cluster_preference": "private", **params})
+    return run, placement, staged, op, context
 
 
 def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -> None:
     home = two_private
-    run, placement, op, context = _train_task("failover", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
+    run, placement, staged, op, context = _train_task("failover", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
     assert placement["cluster"] == "onprem-b"  # the cheaper twin wins the first placement
     blocker = LocalSlotPool(home / "state", "onprem-b", 4)
     assert blocker.try_acquire("someone-else", 4)
@@ -60,11 +60,47 @@ def test_gang_not_admitted_fails_over_to_the_next_candidate(two_private: Path) -
     attempts = json.loads((run_folder / "train-attempts.json").read_text())
     assert [(a["cluster"], a["outcome"]) for a in attempts] == [("onprem-b", "not_admitted"), ("onprem-a", "succeeded")]
 
-    # A retried train task (same XCom) resumes on the cluster it failed over to.
-    from hybridflow.training.failover import current_placement
+    # A retried train task gets the placement step's XCom again (onprem-b) and no copy of the move:
+    # the run's newest checkpoint, committed on onprem-a, takes it back there, resuming at step 40.
+    (run_folder / "placement.json").unlink()
+    retry, context = _retry(run, placement, staged, "manual__failover", try_number=2)
+    again = retry.execute(context)
+    assert again["cluster"] == "onprem-a" and again["final_step"] == 40
+    attempts = json.loads((run_folder / "train-attempts.json").read_text())
+    assert (attempts[-1]["cluster"], attempts[-1]["attempt"]) == ("onprem-a", "try-2")
+    shown = json.loads((run_folder / "placement.json").read_text())  # the run's page shows the move
+    assert shown["cluster"] == "onprem-a" and shown["failovers"][0]["cluster"] == "onprem-b"
+    assert "newest checkpoint (step 40" in shown["failovers"][0]["reason"]
 
-    current, staged = current_placement(run, placement, {"source": {}})
-    assert current["cluster"] == "onprem-a" and staged["source"]["kind"] == "local"
+
+def test_a_placement_decided_after_the_newest_checkpoint_wins_over_it(two_private: Path) -> None:
+    """Clearing choose_cluster places the run afresh: a retry then trains where that decision says,
+    even though the run's newest checkpoint was made elsewhere."""
+    from hybridflow.config import load_estate
+    from hybridflow.settings import get_settings
+    from hybridflow.training.failover import newest_checkpoint, resume_placement
+
+    run, placement, staged, op, context = train_task("replaced", {"cluster_preference": "private", "hyperparameters": {"steps": 20},
+                                                                  "checkpoint_every_steps": 10})
+    assert op.execute(context)["cluster"] == "onprem-b"
+    settings, estate = get_settings(), load_estate(get_settings().config_dir)
+    newest = newest_checkpoint(run, estate, settings)
+    assert (newest.cluster, newest.step) == ("onprem-b", 20)
+    moved = {**placement, "cluster": "onprem-a", "decided_at": newest.committed_at + 1}  # decided afterwards
+    assert resume_placement(run, moved, staged, estate, settings)[0]["cluster"] == "onprem-a"
+    before = {**moved, "decided_at": newest.committed_at - 1}  # decided before onprem-b's checkpoint
+    assert resume_placement(run, before, staged, estate, settings)[0]["cluster"] == "onprem-b"
+
+
+def _retry(run, placement, staged, run_id: str, try_number: int):
+    from types import SimpleNamespace
+
+    from hybridflow.operators.train import GangTrainOperator
+
+    op = GangTrainOperator(task_id="train", run=run, placement=placement, staged=staged)
+    context = {"dag": SimpleNamespace(dag_id="hybrid_training"), "run_id": run_id,
+               "ti": SimpleNamespace(try_number=try_number), "dag_run": SimpleNamespace(triggering_user_name="test")}
+    return op, context
 
 
 def test_with_no_other_cluster_free_the_gang_keeps_its_place_instead_of_failing(two_private: Path) -> None:
@@ -73,7 +109,7 @@ def test_with_no_other_cluster_free_the_gang_keeps_its_place_instead_of_failing(
     from hybridflow.queueing import QueueWaitTrigger
 
     home = two_private
-    run, placement, op, context = _train_task("nowhere", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
+    run, placement, _, op, context = _train_task("nowhere", {"hyperparameters": {"steps": 40}, "checkpoint_every_steps": 20})
     pools = [LocalSlotPool(home / "state", name, 4) for name in ("onprem-a", "onprem-b")]
     for pool in pools:
         assert pool.try_acquire("someone-else", 4)

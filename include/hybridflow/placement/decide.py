@@ -6,12 +6,15 @@
 - :func:`eligible`: the clusters the rules could choose for the run whatever their load (admission
   probes their Connections before anything is staged).
 
-The decision travels as the XCom of the task that asked; the run's ``placement.json`` is the copy its
-page shows and that a retried train task resumes a move from (:mod:`hybridflow.training.failover`).
+The decision travels as the XCom of the task that asked, and only there; the run's ``placement.json``
+is what its page shows, never read back. A retried train task finds a move an earlier try made from
+the run's checkpoints (:func:`hybridflow.training.failover.resume_placement`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Mapping
 
 from hybridflow.config import Cluster, Estate
@@ -25,14 +28,22 @@ from hybridflow.settings import Settings
 
 
 def decide(run: AdmittedRun, estate: Estate, settings: Settings, *,
-           leaving: Mapping[str, str] | None = None) -> PlacementDecision:
+           leaving: Mapping[str, str] | None = None, resume_on: tuple[str, str] | None = None) -> PlacementDecision:
     """Place ``run``. ``leaving`` (cluster -> why) names the clusters its gang moves away from: they are
     ruled out, and only a cluster that would admit the gang now is chosen (PlacementError when none
-    would: the gang keeps its place). A run the takeover holds raises ``PlacementHeld``."""
+    would: the gang keeps its place). ``resume_on`` (cluster, why) places the run on that cluster only,
+    where its work is, if the rules still allow it there (PlacementError otherwise). A run the takeover
+    holds raises ``PlacementHeld``."""
     loads = cluster_loads(estate, settings)
-    if leaving:
-        return place(run, estate, loads, exclude=dict(leaving), require_room=True)
-    return place(run, estate, loads, waits=wait_estimates(run, estate, loads))
+    if resume_on:
+        target, why = resume_on
+        others = {name: f"the run resumes on {target}: {why}" for name in estate.clusters if name != target}
+        decision = place(run, estate, loads, exclude=others)
+    elif leaving:
+        decision = place(run, estate, loads, exclude=dict(leaving), require_room=True)
+    else:
+        decision = place(run, estate, loads, waits=wait_estimates(run, estate, loads))
+    return dataclasses.replace(decision, decided_at=round(time.time(), 3))
 
 
 def eligible(run: AdmittedRun, estate: Estate) -> list[Cluster]:

@@ -26,6 +26,9 @@ class PlacementDecision:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     # Clusters tried before this one for the same run: [{"cluster", "reason"}] (failover history).
     failovers: list[dict[str, str]] = field(default_factory=list)
+    # When it was decided (epoch; 0: not recorded): a checkpoint committed on another cluster after it
+    # means an earlier try of the train task moved the run (hybridflow.training.failover.resume_placement).
+    decided_at: float = 0.0
 
     def to_xcom(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -77,6 +77,7 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
     timer_s = training_cfg.interruptible_checkpoint_every_s if req.interruptible else None
     spec = {
         "run_key": run_key,
+        "cluster": cluster.name,
         "model": {"name": model.name, "entrypoint": model.entrypoint, "hyperparameters": admitted.hyperparameters},
         # precision, optimizer, sharding: the setting admission's GPU memory check estimated with
         "training": req.train_setting.to_dict(),

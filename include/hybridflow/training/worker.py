@@ -81,6 +81,9 @@ class JobSpec:
     inject_failure: dict | None = None
     # precision, optimizer, sharding (gpumem.TrainSetting); absent: the Params' defaults
     training: dict | None = None
+    # The cluster the gang runs on, noted in every checkpoint it commits: a retried train task resumes
+    # where the run's newest checkpoint was made (hybridflow.training.failover.resume_placement).
+    cluster: str | None = None
 
     @property
     def setting(self):
@@ -159,6 +162,7 @@ def run(spec: JobSpec, train_fn, rank: int, world_size: int, preemption: Preempt
         handle = CheckpointHandle(
             places, policy, rank=rank, world_size=world_size, preemption=preemption, workdir=workdir,
             meta=lambda: {"run_key": spec.run_key, "launch": spec.attempt, "model": spec.model["name"],
+                          "cluster": spec.cluster,
                           "start_step": handle.restored_step,
                           "loss": (ctx.metrics.get("loss") or [(0, None)])[-1][1] if ctx else None},
             progress=lambda: ctx.last_step if ctx else None,
