@@ -14,12 +14,18 @@ replay's own history of admitted waits); a run placed on the private cluster que
 slot pool's order (priority, then arrival; the head blocks); every ``gang_admission_timeout_s`` while
 it waits, ``choose_cluster`` again with the private cluster excluded and ``require_room=True``: it
 moves if another cluster would admit it now, else keeps its place; after ``max_queue_wait_s`` it gives
-up. Baselines: always-private FIFO, always-public on-demand, cheapest-first (breaks the rules), a
-rule-respecting greedy, and the restricted runs alone on the private cluster (the lower bound of their
-waits).
+up. Private capacity is kept for runs bound to it as the product keeps it (``placement.reservation``:
+while one waits there or one was admitted there within ``expect_within_h``, a run that could run
+public and could not be moved leaves the kept GPUs free); a bound run at the head of the private queue
+moves the newest interruptible runs off to a public pool (at most ``move_budget`` times each), each
+charged one ``interruptible_checkpoint_every_s`` of run time done again (``replay_ours``). ``--spread
+1-10`` replays those seeds too and prints each target's spread. Baselines: always-private FIFO,
+always-public on-demand, cheapest-first (breaks the rules), a rule-respecting greedy, and the
+restricted runs alone on the private cluster (the lower bound of their waits).
 
 Cost: the private cluster is owned, so it costs its on-prem rate for every GPU from the first arrival
-to the policy's last finish, busy or idle; public GPU-hours cost their on-demand or spot price.
+to the policy's last finish, busy or idle; public GPU-hours cost their on-demand or spot price. The
+cost target prices runs that gave up (never run) at what they would have paid.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_replay, also when loaded by path
 
+from replay_ours import ours  # noqa: E402
 from trace_replay import (  # noqa: E402
     DEFAULT_NODES,
     DEFAULT_PODS,
@@ -47,7 +54,6 @@ from trace_replay import (  # noqa: E402
     bound_alone,
     cheapest_first,
     greedy,
-    ours,
     private_fifo,
     private_nodes,
     public_on_demand,
@@ -92,17 +98,25 @@ def metrics(r: Result, start: float, onprem: float, on_demand: float, spot: floa
         "deadline_in_time": sum(x.in_time for x in deadline),
     }
     if r.notes.get("partial"):  # a subset of the runs: its cost is not comparable
-        out.update(total_usd=None, public_usd=None, private_util=None, public_share=None)
+        out.update(total_usd=None, public_usd=None, private_util=None, public_share=None, total_with_gave_up_usd=None,
+                   lost_gpu_hours=None)
         return out
     horizon = max(r.end - start, 1.0)
     rate = {"on_demand": on_demand, "spot": spot}
-    public_usd = sum(x.job.gpus * x.job.duration / 3600 * rate[x.where] for x in recs if x.where in rate)
-    busy = sum(x.job.gpus * x.job.duration for x in recs if x.where == "private")
+    segments = [(x.job.gpus, where, seconds) for x in recs for where, seconds in x.segments]
+    public_usd = sum(gpus * seconds / 3600 * rate[where] for gpus, where, seconds in segments if where in rate)
+    busy = sum(gpus * seconds for gpus, where, seconds in segments if where == "private")
     started = [x for x in recs if x.start is not None]
+    total = r.private_gpus * horizon / 3600 * onprem + public_usd
+    # A run that gave up never ran, so it is not in the cost above: priced at what it would have paid
+    # (owned GPU-hours on the private cluster for a run bound there, else on-demand).
+    never_run = sum(x.job.gpus * x.job.duration / 3600 * (onprem if x.job.bound else on_demand)
+                    for x in recs if x.gave_up_at is not None)
     out.update(
-        total_usd=r.private_gpus * horizon / 3600 * onprem + public_usd, public_usd=public_usd,
+        total_usd=total, public_usd=public_usd, total_with_gave_up_usd=total + never_run,
         private_util=busy / (r.private_gpus * horizon),
         public_share=sum(x.where != "private" for x in started) / max(len(started), 1),
+        lost_gpu_hours=sum(x.job.gpus * x.lost_s for x in recs) / 3600,
     )
     return out
 
@@ -139,7 +153,7 @@ def table(rows: list[dict], ours_row: dict, greedy_row: dict) -> str:
 
 def targets(ours_row: dict, greedy_row: dict, bound_row: dict) -> list[dict]:
     """The placement targets, measured on ours. No wait counts as within any bound of a zero wait."""
-    lb, cost = bound_row["bound_mean_s"] or 0.0, greedy_row["total_usd"]
+    lb, cost = bound_row["bound_mean_s"] or 0.0, greedy_row["total_with_gave_up_usd"]
     restricted, free = ours_row["bound_mean_s"] or 0.0, ours_row["free_mean_s"] or 0.0
     return [
         {"target": "sovereignty violations", "goal": "0", "measured": str(ours_row["violations"]),
@@ -150,9 +164,12 @@ def targets(ours_row: dict, greedy_row: dict, bound_row: dict) -> list[dict]:
          "measured": f"{restricted:,.0f} s ({_ratio(restricted, lb) if lb else '-'})",
          "met": restricted <= 1.1 * lb},
         {"target": "unrestricted mean wait", "goal": "<= 60 s", "measured": f"{free:,.1f} s", "met": free <= 60},
-        {"target": "total cost", "goal": f"<= 1.1x greedy ({cost:,.0f} USD)",
-         "measured": f"{ours_row['total_usd']:,.0f} USD ({_ratio(ours_row['total_usd'], cost)})",
-         "met": ours_row["total_usd"] <= 1.1 * cost},
+        {"target": "total cost, runs that gave up priced in", "goal": f"<= 1.1x greedy ({cost:,.0f} USD)",
+         "measured": f"{ours_row['total_with_gave_up_usd']:,.0f} USD "
+                     f"({_ratio(ours_row['total_with_gave_up_usd'], cost)})",
+         "met": ours_row["total_with_gave_up_usd"] <= 1.1 * cost},
+        {"target": "runs that give up", "goal": f"<= the lower bound's ({bound_row['gave_up']})",
+         "measured": str(ours_row["gave_up"]), "met": ours_row["gave_up"] <= bound_row["gave_up"]},
     ]
 
 
@@ -170,6 +187,60 @@ def _share(text: str) -> float:
     return value
 
 
+def _seeds(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    try:
+        seeds = list(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST-LAST, e.g. 1-10") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"{text!r} names no seed")
+    return seeds
+
+
+def spread(argv: list[str], seeds: list[int]) -> list[dict]:
+    """Each seed's replay (printed output dropped) as its targets' figures, and a table of them."""
+    import contextlib
+    import io
+
+    rows = []
+    for seed in seeds:
+        with contextlib.redirect_stdout(io.StringIO()):
+            report = main([*argv, "--seed", str(seed)])
+        ours_row, greedy_row, bound_row = report.rows[0], report.rows[4], report.rows[5]
+        lb = bound_row["bound_mean_s"] or 0.0
+        rows.append({
+            "seed": seed, "violations": ours_row["violations"] + ours_row["region_violations"],
+            "restricted_s": ours_row["bound_mean_s"] or 0.0, "lower_bound_s": lb,
+            "restricted_x": (ours_row["bound_mean_s"] or 0.0) / lb if lb else None,
+            "unrestricted_s": ours_row["free_mean_s"] or 0.0,
+            "cost_x": ours_row["total_with_gave_up_usd"] / greedy_row["total_with_gave_up_usd"],
+            "gave_up": ours_row["gave_up"], "gave_up_bound": bound_row["gave_up"],
+            "moves": ours_row["moves"], "lost_gpu_hours": ours_row["lost_gpu_hours"],
+            "met": all(g["met"] for g in report.targets), "missed": [g["target"] for g in report.targets if not g["met"]],
+        })
+    return rows
+
+
+def spread_table(rows: list[dict]) -> str:
+    lines = ["| seed | violations | restricted* mean wait s (lower bound) | vs lower bound | unrestricted mean wait s "
+             "| cost vs greedy | gave up (lower bound) | moves | GPU-hours done again | targets |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        x = "-" if r["restricted_x"] is None else f"{r['restricted_x']:.2f}x"
+        lines.append(f"| {r['seed']} | {r['violations']} | {r['restricted_s']:,.0f} ({r['lower_bound_s']:,.0f}) | {x} "
+                     f"| {r['unrestricted_s']:,.1f} | {r['cost_x']:.2f}x | {r['gave_up']} ({r['gave_up_bound']}) "
+                     f"| {r['moves']} | {r['lost_gpu_hours']:,.1f} | "
+                     f"{'all met' if r['met'] else 'missed: ' + ', '.join(r['missed'])} |")
+    known = [r["restricted_x"] for r in rows if r["restricted_x"] is not None]
+    costs = [r["cost_x"] for r in rows]
+    lines.append(f"spread over {len(rows)} seeds: restricted* {min(known, default=0):.2f}x..{max(known, default=0):.2f}x "
+                 f"of the lower bound (median {statistics.median(known) if known else 0:.2f}x), cost "
+                 f"{min(costs):.2f}x..{max(costs):.2f}x greedy (median {statistics.median(costs):.2f}x); every "
+                 f"target met on {sum(r['met'] for r in rows)} of {len(rows)} seeds")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("pods", nargs="?", type=Path, default=DEFAULT_PODS, help="pod list CSV (openb format)")
@@ -183,6 +254,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     ap.add_argument("--start-by-share", type=_share, default=0.0, help="share of runs with a start_by deadline")
     ap.add_argument("--start-by", default="30m", help="their start_by (a duration: 30m, 2h, PT1H)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--spread", type=_seeds, default=None, metavar="FIRST-LAST",
+                    help="also replay these seeds (e.g. 1-10) and print the spread of the targets over them")
     ap.add_argument("--spill-threshold", type=_share, default=0.7, help="placement.spill_threshold")
     ap.add_argument("--admission-timeout-s", type=int, default=120, help="training.gang_admission_timeout_s")
     ap.add_argument("--max-queue-wait-s", type=int, default=86_400, help="training.max_queue_wait_s")
@@ -252,7 +325,9 @@ def main(argv: list[str] | None = None) -> Report:
           "(median of zones), elastic")
     gave_up = [x for x in results[0].recs if x.gave_up_at is not None]
     print(f"ours: spill_threshold {args.spill_threshold}, gang_admission_timeout_s {args.admission_timeout_s}, "
-          f"max_queue_wait_s {args.max_queue_wait_s}; {ours_row['moves']} moves to public, {len(gave_up)} gave up "
+          f"max_queue_wait_s {args.max_queue_wait_s}; {ours_row['moves']} moves to public "
+          f"({sum(len(x.segments) > 1 for x in results[0].recs)} to make room, {ours_row['lost_gpu_hours']:,.1f} "
+          f"GPU-hours done again), {len(gave_up)} gave up "
           f"({sum(x.job.gpus * x.job.duration for x in gave_up) / 3600:,.0f} GPU-hours never run, so not in its "
           f"cost), {ours_row['refused']} refused by placement; replayed in {t_ours:.1f} s")
     deadline = [x for x in results[0].recs if x.job.start_by is not None]
@@ -272,7 +347,24 @@ def main(argv: list[str] | None = None) -> Report:
     for g in goals:
         print(f"| {g['target']} | {g['goal']} | {g['measured']} | {'PASS' if g['met'] else 'MISS'} |")
     print(f"replay took {seconds:.1f} s")
+    if args.spread:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv)]
+        rest = _without(rest, ("--spread", "--seed"))
+        print(spread_table(spread(rest, args.spread)))
     return Report(rows, goals, jobs)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``options`` and their values (``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

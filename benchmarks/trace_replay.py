@@ -1,7 +1,7 @@
 """The replay behind benchmarks/placement_trace.py: a trace of the openb format read into gang runs,
-the estate written as ordinary ``config/`` files, and each policy run over the same arrivals: "ours"
-(the product's placement and queue rules), the baselines and the lower bound. See that script's
-docstring for the model."""
+the estate written as ordinary ``config/`` files, the event loop, and the baselines and the lower
+bound run over the same arrivals ("ours", the product's rules, is in ``replay_ours``). See that
+script's docstring for the model."""
 
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.reference:
 
 from tests.reference import PRICE_TABLE, TRACE_DIR  # noqa: E402
 
-from hybridflow.backends.base import ClusterLoad  # noqa: E402
 from hybridflow.config import Estate, load_estate  # noqa: E402
-from hybridflow.errors import PlacementError  # noqa: E402
 from hybridflow.ledger.queue_waits import QueueWait  # noqa: E402
-from hybridflow.placement import choose_cluster  # noqa: E402
 from hybridflow.request import AdmittedRun  # noqa: E402
-from hybridflow.waits import estimate_waits, parse_duration  # noqa: E402
+from hybridflow.waits import parse_duration  # noqa: E402
 
 DEFAULT_PODS = TRACE_DIR / "openb_pod_list_default.csv"
 DEFAULT_NODES = TRACE_DIR / "openb_node_list_gpu_node.csv"
@@ -43,9 +40,6 @@ PRIORITY_RANK = {"critical": 0, "normal": 1, "batch": 2}  # as hybridflow.backen
 POD_COLUMNS = ("num_gpu", "creation_time", "scheduled_time", "deletion_time")
 NODE_COLUMNS = ("gpu",)
 PRICE_COLUMNS = ("provider", "gpu_model", "gpu_memory_gb", "region", "pricing_tier", "usd_per_gpu_hour")
-# Rules whose verdict can change with load. A waiting gang that every other cluster refuses by some
-# other rule (sovereignty, region, excluded...) gets the same answer at every recheck: skip them.
-LOAD_RULES = frozenset({"room", "reachable"})
 
 
 class TraceError(Exception):
@@ -74,7 +68,8 @@ class Job:
 class Rec:
     """One job's fate under one policy."""
 
-    __slots__ = ("job", "start", "where", "waiting", "moves", "gave_up_at", "refused", "stuck")
+    __slots__ = ("job", "start", "where", "waiting", "moves", "gave_up_at", "refused", "stuck", "finish_at",
+                 "segments", "lost_s", "since")
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -85,6 +80,10 @@ class Rec:
         self.gave_up_at: float | None = None
         self.refused = False  # no cluster could take it at all
         self.stuck = False  # no other cluster can ever take it: rechecks would only repeat the answer
+        self.finish_at: float | None = None  # when it ends where it runs now
+        self.segments: list[tuple[str, float]] = []  # (where, seconds) it ran: one, or two after a move
+        self.lost_s = 0.0  # run time done again after its moves
+        self.since = 0.0  # when it started where it runs now
 
     @property
     def in_time(self) -> bool:
@@ -257,6 +256,8 @@ class Replay:
         self.recs = [Rec(j) for j in jobs]
         self.cap = private_gpus
         self.used = self.queued = self.public_used = 0
+        self.bound_queued = 0  # GPUs of waiting runs that may run only on the private cluster
+        self.last_bound_arrival: float | None = None  # the newest admitted one's arrival (the ledger's queued_at)
         self.queue: list[tuple[tuple, int, Rec]] = []
         self.events: list[tuple[float, int, int, Rec]] = []
         self.seq = 0
@@ -264,6 +265,8 @@ class Replay:
         self.end = 0.0
         self.record_history = record_history
         self.history: deque[QueueWait] = deque()  # admitted waits, in admission order (as the ledger)
+        self.running_private: dict[int, Rec] = {}  # by id: what runs on the private cluster now
+        self.make_room = None  # (sim, head rec) -> None: may move gangs off to fit the queue's head
 
     def push(self, t: float, kind: int, rec: Rec) -> None:
         self.seq += 1
@@ -272,16 +275,24 @@ class Replay:
     def has_room(self, gpus: int) -> bool:
         return self.queued == 0 and self.used + gpus <= self.cap
 
-    def start(self, rec: Rec, where: str) -> None:
+    def start(self, rec: Rec, where: str, seconds: float | None = None) -> None:
+        """``rec`` starts running ``where`` now, for ``seconds`` (default: its whole duration)."""
         job = rec.job
-        rec.start, rec.where = self.now, where
-        self.end = max(self.end, self.now + job.duration)
+        seconds = job.duration if seconds is None else seconds
+        if rec.start is None:
+            rec.start = self.now
+        rec.where, rec.since, rec.finish_at = where, self.now, self.now + seconds
+        rec.segments.append((where, seconds))
+        self.end = max(self.end, self.now + seconds)
         if where == "private":
             self.used += job.gpus
+            self.running_private[id(rec)] = rec
+            if job.bound:
+                self.last_bound_arrival = max(self.last_bound_arrival or job.arrival, job.arrival)
         else:
             self.public_used += job.gpus
-        self.push(self.now + job.duration, FINISH, rec)
-        if self.record_history:
+        self.push(self.now + seconds, FINISH, rec)
+        if self.record_history and len(rec.segments) == 1:
             # The train task records every admission, the wait counted from when the run first
             # queued (a moved gang's wait includes its time in the private queue).
             self.history.append(QueueWait(PRIVATE if where == "private" else PUBLIC, job.gpus,
@@ -295,6 +306,7 @@ class Replay:
         heapq.heappush(self.queue, (key, self.seq, rec))
         rec.waiting = True
         self.queued += rec.job.gpus
+        self.bound_queued += rec.job.gpus if rec.job.bound else 0
         self.drain()
 
     def drain(self) -> None:
@@ -303,16 +315,33 @@ class Replay:
             if not rec.waiting:
                 heapq.heappop(self.queue)
                 continue
+            if rec.job.gpus > self.cap - self.used and self.make_room is not None:
+                self.make_room(self, rec)
             if rec.job.gpus > self.cap - self.used:
                 return
             heapq.heappop(self.queue)
             rec.waiting = False
             self.queued -= rec.job.gpus
+            self.bound_queued -= rec.job.gpus if rec.job.bound else 0
             self.start(rec, "private")
+
+    def stop_private(self, rec: Rec, lost_s: float) -> float:
+        """Stop ``rec`` on the private cluster now (moved off after a checkpoint); the run time it has
+        left, plus ``lost_s`` done again."""
+        left = rec.finish_at - self.now + lost_s
+        ran = self.now - rec.since
+        where, _ = rec.segments.pop()
+        rec.segments.append((where, ran))
+        rec.finish_at = None
+        rec.lost_s += lost_s
+        self.used -= rec.job.gpus
+        self.running_private.pop(id(rec), None)
+        return left
 
     def withdraw(self, rec: Rec) -> None:
         rec.waiting = False
         self.queued -= rec.job.gpus
+        self.bound_queued -= rec.job.gpus if rec.job.bound else 0
         self.drain()  # it may have been the blocked head
 
     def run(self, on_arrival, on_recheck=None, on_give_up=None) -> None:
@@ -323,8 +352,12 @@ class Replay:
             if kind == ARRIVE:
                 on_arrival(self, rec)
             elif kind == FINISH:
+                if self.now != rec.finish_at:
+                    continue  # it was moved: it ends elsewhere, later
+                rec.finish_at = None
                 if rec.where == "private":
                     self.used -= rec.job.gpus
+                    self.running_private.pop(id(rec), None)
                     self.drain()
                 else:
                     self.public_used -= rec.job.gpus
@@ -347,77 +380,6 @@ def _ts(seconds: float) -> datetime:
 
 def pool_order(rec: Rec, now: float) -> tuple:
     return (PRIORITY_RANK[rec.job.priority], now)
-
-
-def _stuck(err: PlacementError) -> bool:
-    """Every cluster fails a rule that no change of load can lift (sovereignty, region, excluded...)."""
-    candidates = getattr(err, "candidates", None)
-    if not candidates:
-        return False
-    return all(any(v != "pass" and k not in LOAD_RULES for k, v in c["rules"].items()) for c in candidates)
-
-
-def ours(jobs: list[Job], estate: Estate) -> Result:
-    cap = estate.clusters[PRIVATE].total_gpus
-    public_cap = estate.clusters[PUBLIC].total_gpus
-    training, placement = estate.pipeline.training, estate.pipeline.placement
-    timeout = training.gang_admission_timeout_s
-    # The first look comes after one admission window (the backend blocks that long), then the
-    # triggerer gives up at max_queue_wait_s.
-    give_up_after = max(timeout, training.max_queue_wait_s)
-    moved_why = {PRIVATE: f"gang not admitted within {timeout} s"}
-
-    def usage(sim: Replay) -> tuple[dict, dict]:
-        return {PRIVATE: sim.used, PUBLIC: sim.public_used}, {PRIVATE: sim.queued}
-
-    def start_on(sim: Replay, rec: Rec, decision) -> None:
-        sim.start(rec, "private" if decision.location == "private" else "spot" if decision.spot else "on_demand")
-
-    def arrive(sim: Replay, rec: Rec) -> None:
-        used, queued = usage(sim)
-        waits = None
-        if rec.job.start_by is not None:
-            loads = {PRIVATE: ClusterLoad(PRIVATE, cap, used=sim.used, queued=sim.queued),
-                     PUBLIC: ClusterLoad(PUBLIC, public_cap, used=sim.public_used)}
-            waits = estimate_waits(sim.window(placement.wait_history_days), loads, rec.job.gpus,
-                                   quantile=placement.wait_quantile, min_samples=placement.wait_min_samples,
-                                   days=placement.wait_history_days)
-        try:
-            decision = choose_cluster(rec.job.run, estate, used, queued_gpus=queued, waits=waits)
-        except PlacementError:
-            rec.refused = True
-            return
-        if decision.cluster != PRIVATE:
-            start_on(sim, rec, decision)
-            return
-        sim.enqueue(rec, pool_order(rec, sim.now))
-        if rec.waiting:
-            sim.push(sim.now + timeout, RECHECK, rec)
-            sim.push(sim.now + give_up_after, GIVE_UP, rec)
-
-    def recheck(sim: Replay, rec: Rec) -> None:
-        if rec.stuck:
-            return
-        used, queued = usage(sim)
-        try:
-            decision = choose_cluster(rec.job.run, estate, used, queued_gpus=queued, exclude=moved_why,
-                                      require_room=True)
-        except PlacementError as err:
-            rec.stuck = _stuck(err)
-            if not rec.stuck:
-                sim.push(sim.now + timeout, RECHECK, rec)  # keeps its place, looks again next window
-            return
-        sim.withdraw(rec)
-        rec.moves += 1
-        start_on(sim, rec, decision)
-
-    def give_up(sim: Replay, rec: Rec) -> None:
-        sim.withdraw(rec)
-        rec.gave_up_at = sim.now
-
-    sim = Replay(jobs, cap, record_history=True)
-    sim.run(arrive, recheck, give_up)
-    return Result("ours", sim.recs, cap, sim.end)
 
 
 def private_fifo(jobs: list[Job], cap: int) -> Result:

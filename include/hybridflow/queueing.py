@@ -150,8 +150,8 @@ class QueueWaitTrigger(BaseTrigger):
                                   note)
                 return
             if verdict == "preempt":  # the task stops the batch gangs, then takes the slots
-                yield self._event("preempt", f"gang {self.job['name']} (critical) fits on {self.cluster} once batch "
-                                             "gangs stop", note)
+                yield self._event("preempt", f"gang {self.job['name']} fits on {self.cluster} once batch gangs stop "
+                                             "(it is critical) or movable gangs move (it may run only there)", note)
                 return
             if note.get("fenced"):  # never admitted there: the task withdraws the ticket and moves or fails
                 yield self._event("fenced", f"gang {self.job['name']} waits on {self.cluster}, which {note['fenced']}")
@@ -190,7 +190,8 @@ class QueueWaitTrigger(BaseTrigger):
             return None, {"fenced": why}
         team, cap = self.job.get("team") or "", self.job.get("team_cap")
         job = GangJob(name=self.job["name"], workers=int(self.job["workers"]), spec={},
-                      labels={"priority": self.job["priority"], "team": team}, team_cap=cap,
+                      labels={"priority": self.job["priority"], "team": team,
+                              "private_only": str(bool(self.job.get("private_only"))).lower()}, team_cap=cap,
                       team_held_outside=team_held_outside(estate, settings.state_dir, team) if cap else 0)
         if self.kind == "slots":
             verdict = backend.admission(job)
@@ -268,15 +269,17 @@ def hold_for_team_cap(admitted: Any, cluster: str, gang: str, backend: Any, esta
 
 
 def record_admission(private_root: Path, run_key: str, attempt: str, cluster: str, admitted: Any, waited_s: float,
-                     log: Any) -> None:
+                     log: Any, *, private_only: bool = False) -> None:
     """The gang of ``attempt`` was admitted after ``waited_s`` in the queue: for the run's page and
-    the ledger's history of queue waits (which deadline placement estimates from). Best effort."""
+    the ledger's history of queue waits (which deadline placement estimates from, and which says
+    where work that may run only on private clusters is expected: ``private_only``). Best effort."""
     now = time.time()
     try:
         note_standing(private_root, run_key, cluster=cluster, state="admitted", queued_since=now - waited_s)
         from hybridflow.ledger.queue_waits import record_queue_wait
 
         record_queue_wait(run_key, attempt, cluster, admitted.workers, admitted.priority,
-                          datetime.fromtimestamp(now - waited_s, UTC), datetime.fromtimestamp(now, UTC), "admitted")
+                          datetime.fromtimestamp(now - waited_s, UTC), datetime.fromtimestamp(now, UTC), "admitted",
+                          private_only=private_only)
     except Exception as exc:  # noqa: BLE001 - the history is a help, never a reason to stop training
         log.warning("could not record the queue wait of %s (%s)", run_key, exc)

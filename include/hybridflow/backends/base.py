@@ -100,6 +100,17 @@ class GangJob:
     def team(self) -> str | None:
         return self.labels.get("team")
 
+    @property
+    def movable(self) -> bool:
+        """The gang may be moved to a public cluster to make room for private-only work (label
+        ``movable``, set by the train task: interruptible, may run public, move budget left)."""
+        return self.labels.get("movable") == "true"
+
+    @property
+    def private_only(self) -> bool:
+        """The gang may run only on private clusters (label ``private_only``, set by the train task)."""
+        return self.labels.get("private_only") == "true"
+
 
 def owner_from_annotations(annotations: Mapping[str, str] | None) -> dict[str, str]:
     """The owner keys named by :func:`owner_annotations` (empty when they name none)."""
@@ -159,6 +170,10 @@ class ClusterLoad:
     # Kubernetes: the team queues that exist on the cluster (Volcano Queues, Kueue LocalQueues of the
     # namespace); None where queues are not named (the local backend) or could not be read.
     queues: frozenset[str] | None = None
+    # GPUs of waiting gangs that may run only on private clusters (restricted data, or regions only
+    # private clusters are in): placement keeps private capacity for them (hybridflow.placement.reserve).
+    # The local pool knows them; a Kubernetes cluster reports 0 (its waiting gangs are not labelled so).
+    private_only_queued: int = 0
 
     @property
     def free(self) -> int:
@@ -339,6 +354,11 @@ class GangBackend(ABC):
     def clear(self, remnant: GangRemnant, reason: str) -> None:
         """Release ``remnant`` (a gang is stopped for good with ``reason``, with what it holds); one
         already gone is not an error."""
+
+    def move(self, name: str, reason: str) -> bool:
+        """Stop gang ``name`` after its checkpoint so that its task places the run elsewhere (making room
+        for work that may run only on this cluster); True if it ran. Where a backend cannot, it says so."""
+        raise NotImplementedError(f"{type(self).__name__} does not move gangs to make room yet")
 
     def check_job(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> None:
         """Refuse ``job`` before anything is started or deleted when this backend could not run it

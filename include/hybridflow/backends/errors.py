@@ -22,9 +22,12 @@ class GangNotAdmitted(GangError):
     """The gang's slots did not all come free within the admission timeout; nothing was started."""
 
     def __init__(self, message: str, *, cluster: str, over_team_cap: bool = False, queued_since: float | None = None,
-                 standing: Any = None) -> None:
+                 standing: Any = None, moved: str | None = None) -> None:
         super().__init__(message)
         self.cluster = cluster
+        # Why the gang was moved off the cluster after checkpointing (making room), when that is what
+        # ended it there: the task places it elsewhere as for a gang not admitted in time.
+        self.moved = moved
         # Held back by its team's gpu_cap, which spans clusters: another cluster would not help.
         self.over_team_cap = over_team_cap
         self.queued_since = queued_since  # epoch seconds the gang first queued
@@ -33,6 +36,16 @@ class GangNotAdmitted(GangError):
 
 class GangPreempted(GangWorkerExit):
     """A worker stopped on SIGTERM after checkpointing (exit 75): rerun the gang to resume."""
+
+
+class GangMoved(GangPreempted):
+    """The gang was stopped after checkpointing to make room for work that may run only on its
+    cluster (:meth:`LocalGangBackend.move`): its task places the run again elsewhere, where it
+    resumes from that checkpoint. ``reason`` says for what."""
+
+    def __init__(self, message: str, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.reason = reason
 
 
 class GangFailed(GangWorkerExit):

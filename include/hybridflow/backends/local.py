@@ -53,6 +53,7 @@ from hybridflow.backends.base import (
 )
 from hybridflow.backends.errors import (  # noqa: F401 - the train task and tests import them from here
     GangFailed,
+    GangMoved,
     GangNotAdmitted,
     GangPreempted,
     GangStopped,
@@ -290,7 +291,7 @@ class LocalGangBackend(LocalQueue, GangBackend):
         """GangStopped, GangPreempted or GangFailed for the gang's failed ranks ((rank, code) each)."""
         rank, code = first_failure or failed[0]
         stop = _read_json(self._stop_path(job.name))
-        if code == PREEMPTED_EXIT_CODE and stop is not None:
+        if stop is not None:  # it was asked of this launch: a relaunch is not stopped by it
             self._stop_path(job.name).unlink(missing_ok=True)
         raise _gang_error(job.name, failed, rank, code, log_paths, stop)
 
@@ -388,6 +389,16 @@ class LocalGangBackend(LocalQueue, GangBackend):
         if not stopped:
             self._stop_path(job_name).unlink(missing_ok=True)
         return stopped
+
+    def move(self, job_name: str, reason: str) -> bool:
+        """Stop a running gang so that its task places it elsewhere (making room for work that may run
+        only here): like :meth:`stop`, the workers checkpoint first, but its launcher raises
+        :class:`GangMoved` with ``reason``, which the train task answers by placing the run again."""
+        _atomic_write_json(self._stop_path(job_name), {"reason": reason, "at": time.time(), "move": True})
+        moved = self.cancel(job_name)
+        if not moved:
+            self._stop_path(job_name).unlink(missing_ok=True)
+        return moved
 
     def cancel(self, job_name: str) -> bool:
         """Stop a running gang recorded in state (used by an operator's on_kill). The workers get

@@ -4,9 +4,10 @@ the train task acts on (stopped for good, preempted after checkpointing, or fail
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
-from hybridflow.backends.errors import GangFailed, GangPreempted, GangStopped
+from hybridflow.backends.errors import GangFailed, GangMoved, GangPreempted, GangStopped
 from hybridflow.errors import GangError
 
 # Same value as hybridflow.training.worker.PREEMPTED_EXIT_CODE; not imported because that pulls in torch.
@@ -51,7 +52,18 @@ def _gang_error(
     ``code``) first; ``stop``: the stop asked for the gang, if any."""
     others = ", ".join(f"rank {r}: {c}" for r, c in failed if r != rank) or "none"
     tail = _tail(log_paths[rank])
-    if code == PREEMPTED_EXIT_CODE and stop is not None:
+    # A worker stopped on purpose exits 75 after its checkpoint; one still starting up when the stop came
+    # ends on the signal itself (SIGTERM before its handler is set, SIGKILL after the grace period).
+    on_purpose = stop is not None and code in (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
+    if on_purpose and stop.get("move"):
+        return GangMoved(
+            f"gang {job_name!r} was moved after checkpointing: {stop.get('reason')}",
+            reason=str(stop.get("reason")),
+            rank=rank,
+            exit_code=code,
+            log_tail=tail,
+        )
+    if on_purpose:
         return GangStopped(
             f"gang {job_name!r} was stopped after checkpointing: {stop.get('reason')}",
             reason=str(stop.get("reason")),

@@ -33,10 +33,13 @@ class LocalQueue:
         self._note_owner(job)
         if self.pool.try_acquire(job.name, job.workers, pid, priority=job.priority, team=job.team,
                                  team_cap=job.team_cap, queue=True, since=since,
-                                 team_outside=job.team_held_outside):
+                                 team_outside=job.team_held_outside, private_only=job.private_only,
+                                 movable=job.movable):
             return True
         if job.priority == "critical" and self.critical_preempts_batch and preempted is not None:
             preempted |= self._preempt_batch(job, preempted, log)
+        if job.private_only and preempted is not None:
+            preempted |= self._make_room(job, preempted, log)
         return False
 
     def keep_place(self, job: GangJob, *, since: float, keep_s: float) -> None:
@@ -44,7 +47,8 @@ class LocalQueue:
         (the task keeps it again each admission window). Takes no slots."""
         self._note_owner(job)
         self.pool.keep_ticket(job.name, job.workers, since=since, keep_s=keep_s, priority=job.priority, team=job.team,
-                              team_cap=job.team_cap, team_outside=job.team_held_outside)
+                              team_cap=job.team_cap, team_outside=job.team_held_outside,
+                              private_only=job.private_only)
 
     def admission(self, job: GangJob) -> str | None:
         """What the waiting gang's task may do now, read without changing anything: ``now`` (its slots
@@ -56,6 +60,8 @@ class LocalQueue:
         if job.priority == "critical" and self.critical_preempts_batch and \
                 self._batch_to_stop(job, self.pool.live_holdings()):
             return "preempt"
+        if job.private_only and self._movable_to_move(job, self.pool.live_holdings()):
+            return "preempt"
         return None
 
     def _note_owner(self, job: GangJob) -> None:
@@ -63,6 +69,30 @@ class LocalQueue:
         if owner and _read_json(self.owner_path(job.name)) != owner:
             _check_job(job)
             _atomic_write_json(self.owner_path(job.name), owner)
+
+    def _make_room(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
+        """Move the newest movable gangs (interruptible, may run public) off this cluster until ``job``,
+        which may run only on private clusters and waits first in the queue, fits: each checkpoints and
+        its task places it on a public cluster."""
+        holdings = self.pool.holdings()
+        if any(name in holdings for name in already):
+            return set()  # earlier ones are still checkpointing; their slots are on the way
+        moved: set[str] = set()
+        for name, slots in self._movable_to_move(job, holdings):
+            reason = (f"making room on {self.cluster} for gang {job.name}, which may run only on private clusters "
+                      "(placement.reservation)")
+            log(f"gang {job.name}: moving gang {name} ({slots} slots) to make room; it checkpoints first")
+            if self.move(name, reason):
+                moved.add(name)
+        return moved
+
+    def _movable_to_move(self, job: GangJob, holdings: dict) -> list[tuple[str, int]]:
+        """The newest movable gangs of ``holdings`` whose slots make room for ``job`` (name, slots): none
+        unless ``job`` waits first in the queue and moving every movable gang would be enough."""
+        waiting = self.pool.load().waiting
+        if waiting and waiting[0][0] != job.name:
+            return []  # room made now would go to the gang ahead of it
+        return self._newest_until_fits(job, holdings, lambda h: bool(h.get("movable")))
 
     def _preempt_batch(self, job: GangJob, already: set[str], log: Callable[[str], None]) -> set[str]:
         """Stop the newest batch gangs until ``job`` fits: SIGTERM, so each checkpoints and exits as
@@ -80,9 +110,14 @@ class LocalQueue:
     def _batch_to_stop(self, job: GangJob, holdings: dict) -> list[tuple[str, int]]:
         """The newest batch gangs of ``holdings`` whose slots make room for ``job`` (name, slots); none
         when stopping every batch gang would not be enough."""
+        return self._newest_until_fits(job, holdings, lambda h: h.get("priority") == "batch")
+
+    def _newest_until_fits(self, job: GangJob, holdings: dict, may_go) -> list[tuple[str, int]]:
+        """The newest holdings that ``may_go`` whose slots make room for ``job``, newest first; none when
+        all of them would not be enough."""
         free = self.pool.capacity - sum(int(h["slots"]) for h in holdings.values())
         batch = sorted(((name, int(h["slots"]), float(h.get("since", 0))) for name, h in holdings.items()
-                        if h.get("priority") == "batch" and name != job.name), key=lambda item: -item[2])
+                        if may_go(h) and name != job.name), key=lambda item: -item[2])
         if free >= job.workers or free + sum(slots for _, slots, _ in batch) < job.workers:
             return []
         chosen = []

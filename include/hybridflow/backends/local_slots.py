@@ -136,6 +136,8 @@ class LocalSlotPool:
         queue: bool = False,
         since: float | None = None,
         team_outside: int = 0,
+        private_only: bool = False,
+        movable: bool = False,
     ) -> bool:
         """Take ``n`` slots for ``job_name`` all at once, or none. Idempotent per job name: taking
         slots the job already holds moves them to ``pid``.
@@ -155,7 +157,8 @@ class LocalSlotPool:
             if not admitted:
                 if queue:
                     state["waiting"][job_name] = {"slots": n, "priority": priority, "team": team, "over_cap": over_cap,
-                                                  "since": first, "pid": pid, "pid_start": _start_ticks(pid)}
+                                                  "since": first, "pid": pid, "pid_start": _start_ticks(pid),
+                                                  "private_only": private_only}
                 return False
             state["waiting"].pop(job_name, None)
             mine = state["holdings"].get(job_name)
@@ -163,13 +166,15 @@ class LocalSlotPool:
                 "slots": n, "pid": pid, "pid_start": _start_ticks(pid), "priority": priority, "team": team,
                 "since": mine["since"] if mine else time.time(),
                 "queued_since": mine.get("queued_since", first) if mine else first,
+                "movable": movable,  # may be moved to a public cluster to make room (placement.reserve)
             }
             return True
 
         return self._under_locks(team, team_cap, team_outside, take)
 
     def keep_ticket(self, job_name: str, n: int, *, since: float, keep_s: float, priority: str = "normal",
-                    team: str | None = None, team_cap: int | None = None, team_outside: int = 0) -> None:
+                    team: str | None = None, team_cap: int | None = None, team_outside: int = 0,
+                    private_only: bool = False) -> None:
         """The gang's ticket while its task waits deferred, kept for ``keep_s`` whatever process wrote
         it (the task writes it again each admission window; a task that is gone stops doing so, and
         the ticket lapses). Never takes slots: the resumed task does (:meth:`try_acquire`)."""
@@ -180,7 +185,8 @@ class LocalSlotPool:
             first = min(ticket["since"], since) if ticket else since
             _, over_cap = self._verdict(state, job_name, n, priority, team, team_cap, elsewhere, first)
             state["waiting"][job_name] = {"slots": n, "priority": priority, "team": team, "over_cap": over_cap,
-                                          "since": first, "pid": None, "keep_until": time.time() + keep_s}
+                                          "since": first, "pid": None, "keep_until": time.time() + keep_s,
+                                          "private_only": private_only}
             return True
 
         self._under_locks(team, team_cap, team_outside, keep)
@@ -279,6 +285,7 @@ class LocalSlotPool:
             cluster=self.cluster, capacity=self.capacity, used=sum(int(h["slots"]) for h in holdings.values()),
             queued=sum(int(t["slots"]) for t in waiting.values()), teams=teams,
             waiting=tuple((name, int(t["slots"]), t.get("priority") or "normal", t.get("team")) for name, t in order),
+            private_only_queued=sum(int(t["slots"]) for t in waiting.values() if t.get("private_only")),
         )
 
     def standing(self, job_name: str) -> QueueStanding:

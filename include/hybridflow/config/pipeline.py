@@ -176,6 +176,20 @@ class StagingConfig(_Model):
         return self
 
 
+class ReservationSettings(_Model):
+    """Private capacity kept for work that may run only on private clusters (hybridflow.placement.reserve)."""
+
+    # Share of each private cluster's GPUs that a run which may run public leaves free while such work
+    # waits there or is expected (0: nothing is kept).
+    share: float = Field(default=1.0, ge=0, le=1)
+    # Such work is expected on a cluster when some was admitted there within this many hours (ledger).
+    expect_within_h: float = Field(default=720, ge=0, le=24 * 365)
+    # Making room: an interruptible run that may run public may use the kept GPUs; when such work then
+    # waits behind it, it is checkpointed and moved to a public cluster, at most this many times per
+    # run (0: never moved, so interruptible runs leave the kept GPUs free too).
+    move_budget: int = Field(default=1, ge=0)
+
+
 class PlacementSettings(_Model):
     # Share of private GPUs in use at which auto runs go to public clusters instead.
     spill_threshold: float = Field(default=0.7, ge=0, le=1)
@@ -190,6 +204,7 @@ class PlacementSettings(_Model):
     wait_history_days: int = Field(default=30, ge=1, le=3650)
     wait_min_samples: int = Field(default=5, ge=1)
     wait_quantile: float = Field(default=0.8, gt=0, le=1)
+    reservation: ReservationSettings = Field(default_factory=ReservationSettings)
 
 
 class MeteringCluster(_Model):

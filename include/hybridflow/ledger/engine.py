@@ -72,3 +72,14 @@ def default_engine() -> Engine:
     from hybridflow.settings import get_settings
 
     return _migrated(ledger_url(get_settings().home))
+
+
+def existing_engine() -> Engine | None:
+    """The ledger's engine for a read, or None when the ledger is the default SQLite file and it does
+    not exist yet (nothing was ever recorded: a read need not create it)."""
+    from hybridflow.settings import get_settings
+
+    url = ledger_url(get_settings().home)
+    if isinstance(url, str) and url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None
+    return _migrated(url)

@@ -167,6 +167,8 @@ class QueueWaitRow(Base):
     admitted_at: Mapped[datetime | None] = mapped_column(DateTime)
     wait_s: Mapped[float | None] = mapped_column(Float)  # admitted_at - queued_at; None while not admitted
     outcome: Mapped[str] = mapped_column(String(32))  # admitted, moved, gave_up, waiting
+    # The gang may run only on private clusters (restricted data, or regions only they are in).
+    private_only: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
 
 
 class ReaperSweepRow(Base):

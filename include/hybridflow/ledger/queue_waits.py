@@ -38,7 +38,7 @@ def _naive_utc(ts: datetime, what: str) -> datetime:
 
 def record_queue_wait(run_key: str, attempt: str, cluster: str, gpus: int, priority: str,
                       queued_at: datetime, admitted_at: datetime | None, outcome: str,
-                      engine: Engine | None = None) -> None:
+                      engine: Engine | None = None, *, private_only: bool = False) -> None:
     """Store one gang's wait on ``cluster``, replacing an earlier row of the same (run_key, attempt, cluster).
 
     ``wait_s`` is derived: admitted_at - queued_at for an admitted gang, else None (a wait that moved
@@ -64,7 +64,7 @@ def record_queue_wait(run_key: str, attempt: str, cluster: str, gpus: int, prior
         raise ValueError(f"{where}: admitted_at {admitted_at} is before queued_at {queued_at}")
 
     row = {"run_key": run_key, "attempt": attempt, "cluster": cluster, "gpus": gpus, "priority": priority,
-           "queued_at": queued, "admitted_at": admitted, "outcome": outcome,
+           "queued_at": queued, "admitted_at": admitted, "outcome": outcome, "private_only": bool(private_only),
            "wait_s": None if admitted is None else (admitted - queued).total_seconds()}
     engine = engine or default_engine()
     # An upsert on the unique key, as store_samples does: atomic, so two writers of one key cannot collide.
@@ -96,3 +96,28 @@ def queue_wait_history(*, days: int, clusters: Collection[str] | None = None, no
         return [QueueWait(cluster=r.cluster, gpus=r.gpus, wait_s=float(r.wait_s),
                           queued_at=r.queued_at.replace(tzinfo=UTC))
                 for r in conn.execute(query)]
+
+
+def last_private_only_admissions(*, hours: float, clusters: Collection[str] | None = None,
+                                 now: datetime | None = None, engine: Engine | None = None) -> dict[str, datetime]:
+    """Per cluster, when the newest gang that may run only on private clusters admitted there in the
+    ``hours`` up to ``now`` first queued (timezone-aware UTC); clusters without one are left out."""
+    from sqlalchemy import func
+
+    from hybridflow.ledger.engine import existing_engine
+
+    if isinstance(hours, bool) or not isinstance(hours, int | float) or hours <= 0:
+        raise ValueError(f"hours {hours!r} must be a positive number")
+    end = _naive_utc(now, "now") if now is not None else datetime.now(UTC).replace(tzinfo=None)
+    t = QueueWaitRow.__table__.c
+    query = (select(t.cluster, func.max(t.queued_at).label("last"))
+             .where(t.outcome == "admitted", t.private_only.is_(True),
+                    t.queued_at >= end - timedelta(hours=hours), t.queued_at <= end)
+             .group_by(t.cluster))
+    if clusters is not None:
+        query = query.where(t.cluster.in_(list(clusters)))
+    engine = engine or existing_engine()
+    if engine is None:  # no ledger yet: nothing was ever admitted
+        return {}
+    with engine.connect() as conn:
+        return {r.cluster: r.last.replace(tzinfo=UTC) for r in conn.execute(query)}

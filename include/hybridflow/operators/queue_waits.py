@@ -44,8 +44,8 @@ class QueueWaits:
         self._fail_if_expired(exc.cluster, queued_since, cfg.max_queue_wait_s, str(exc), estate, settings)
         self.log.warning("%s", exc)
         if not exc.over_team_cap:  # a team's cap spans the estate: another cluster would not help
-            moved = fail_over(self.run, placement, exc.cluster,
-                              f"gang not admitted within {cfg.gang_admission_timeout_s:g} s", settings)
+            why = getattr(exc, "moved", None) or f"gang not admitted within {cfg.gang_admission_timeout_s:g} s"
+            moved = fail_over(self.run, placement, exc.cluster, why, settings)
             if moved is not None:
                 self._leave_queue(exc.cluster, estate, settings, queued_since)
                 self.log.warning("Moved to cluster %s, which would admit the gang now", moved[0]["cluster"])
@@ -113,6 +113,7 @@ class QueueWaits:
         task keeps the gang's ticket and writes where it stands; the trigger only reads."""
         from hybridflow.backends import gang_backend, team_held_outside
         from hybridflow.backends.base import GangJob
+        from hybridflow.placement.reserve import private_only
         from hybridflow.queueing import TICKET_SLACK_S, QueueWaitTrigger, describe, keep_standing
         from hybridflow.request import AdmittedRun
 
@@ -125,14 +126,15 @@ class QueueWaits:
         team_cap = None if req.priority == "critical" else estate.teams[req.team].gpu_cap
         if local:  # the place lives as long as the task comes back each window to keep it
             backend.keep_place(GangJob(name=self._job_name, workers=req.workers, spec={}, team_cap=team_cap,
-                                       labels={"priority": req.priority, "team": req.team},
+                                       labels={"priority": req.priority, "team": req.team,
+                                               "private_only": str(private_only(req, estate)).lower()},
                                        team_held_outside=team_held_outside(estate, settings.state_dir, req.team)
                                        if team_cap else 0),
                                since=queued_since, keep_s=cfg.gang_admission_timeout_s + TICKET_SLACK_S)
         trigger = QueueWaitTrigger(
             kind="slots" if local else "team_cap", cluster=exc.cluster,
             job={"name": self._job_name, "workers": req.workers, "priority": req.priority, "team": req.team,
-                 "team_cap": team_cap},
+                 "team_cap": team_cap, "private_only": private_only(req, estate)},
             run=dict(self.run), queued_since=queued_since,
             max_wait_s=cfg.max_queue_wait_s, recheck_s=cfg.gang_admission_timeout_s, poll_s=cfg.queue_poll_s)
         try:  # where it stands, for the run's page: best effort, never a reason not to wait

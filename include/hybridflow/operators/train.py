@@ -150,7 +150,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
 
         from hybridflow.backends import gang_backend, team_held_outside
         from hybridflow.backends.base import GangJob
-        from hybridflow.backends.errors import GangNotAdmitted, GangPreempted, GangStopped
+        from hybridflow.backends.errors import GangMoved, GangNotAdmitted, GangPreempted, GangStopped
 
         req = job.admitted.request
         training_cfg = estate.pipeline.training
@@ -167,7 +167,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         while True:
             label = f"try-{job.identity.try_number}" + (f"-relaunch-{preemptions}" if preemptions else "")
             attempt = self._begin_attempt(job, label)
-            outcome = "failed"
+            outcome, reason = "failed", None
             try:
                 self._backend.run(
                     GangJob(name=self._job_name, workers=req.workers, spec={**job.spec, "attempt": label},
@@ -187,6 +187,12 @@ class GangTrainOperator(QueueWaits, BaseOperator):
                 # relaunched nor retried.
                 outcome = "stopped"
                 raise AirflowFailException(f"{exc.reason}. {_resume_hint(job)}") from exc
+            except GangMoved as exc:  # checkpointed to make room here: placed again, as after a wait
+                outcome, reason = ("interrupted" if self._killed else "moved"), exc.reason
+                if self._killed:
+                    raise
+                raise GangNotAdmitted(str(exc), cluster=job.cluster.name, queued_since=time.time(),
+                                      moved=exc.reason) from exc
             except GangPreempted:
                 # on_kill stops the gang with SIGTERM too; that exit is the task's, not a preemption.
                 outcome = "interrupted" if self._killed else "preempted"
@@ -197,7 +203,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
                     outcome = "interrupted"
                 raise
             finally:
-                attempts = self._end_attempt(job, attempt, outcome)
+                attempts = self._end_attempt(job, attempt, outcome, reason)
             if outcome == "succeeded":
                 break
             preemptions += 1
@@ -291,7 +297,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         from hybridflow.queueing import record_admission
 
         record_admission(settings.private_root, job.run_key, label, job.cluster.name, job.admitted, waited_s,
-                         self.log)
+                         self.log, private_only=job.labels.get("private_only") == "true")
         self.log.info("gang %s admitted on %s after %.1f s in the queue", self._job_name, job.cluster.name, waited_s)
 
     def _end_attempt_on_error(self, job: TrainJob, attempt: dict, exc: BaseException, estate) -> NoReturn:
@@ -327,10 +333,10 @@ class GangTrainOperator(QueueWaits, BaseOperator):
 
         return begin_attempt(job, label, self._job_name, self.log)
 
-    def _end_attempt(self, job: TrainJob, attempt: dict, outcome: str) -> list[dict]:
+    def _end_attempt(self, job: TrainJob, attempt: dict, outcome: str, reason: str | None = None) -> list[dict]:
         from hybridflow.training.attempts import end_attempt
 
-        return end_attempt(job, attempt, outcome, self.log)
+        return end_attempt(job, attempt, outcome, self.log, reason)
 
     def _bring_home(self, job: TrainJob, attempts: list[dict], preemptions: int, started: float) -> dict:
         from hybridflow.training.job import bring_home

@@ -18,6 +18,9 @@ The estate is one logical pool over labelled clusters. Each cluster is assessed 
 6. ``spot``: spot pools only for runs that are interruptible *and* allow spot;
 7. ``gang_fits``: a gang runs in one pool, so the pool needs ``workers`` GPUs;
 8. ``price_ceiling``: the pool costs at most ``max_price_per_gpu_hour`` (0: no ceiling);
+   ``reservation``: a private cluster keeping GPUs for work that may run only there (:mod:`.reserve`)
+   is refused to a run that may run public once it would pass the GPUs others may use; recorded on
+   those clusters only;
 9. ``room`` (only when moving a waiting gang, ``require_room``): the gang would be admitted now.
 
 Among eligible clusters, ``auto`` runs follow ``placement_strategy``: ``local_first`` prefers private
@@ -38,6 +41,7 @@ declared down), so the trace replay (``benchmarks/placement_trace.py``) drives e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +49,11 @@ from typing import Any
 from hybridflow.backends.base import ClusterLoad
 from hybridflow.config import Cluster, Estate, NodePool
 from hybridflow.errors import PlacementError
+from hybridflow.placement.deadline import by_deadline as _by_deadline
+from hybridflow.placement.deadline import wait_text as _wait_text
 from hybridflow.placement.decision import PlacementDecision
+from hybridflow.placement.reserve import Reservation, last_private_only_arrivals, private_only, reservations
+from hybridflow.placement.reserve import verdict as reserve_verdict
 from hybridflow.placement.takeover import (
     Takeover,
     current,
@@ -115,6 +123,8 @@ class _Context:
     queues: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
     queue: str = ""
     takeover: Takeover = field(default_factory=Takeover)
+    reservations: Mapping[str, Reservation] = field(default_factory=dict)
+    public_options: tuple[str, ...] = ()  # public clusters that would take the run (reservation rule)
 
 
 # -- rules: each returns why the cluster (or all its remaining pools) fails, or None ---------------
@@ -152,11 +162,17 @@ def _rule_takeover(ctx: _Context, cand: _Candidate) -> str | None:
     return takeover_verdict(ctx.takeover, ctx.run.priority)
 
 
+def _rule_reservation(ctx: _Context, cand: _Candidate) -> str | None:
+    return reserve_verdict(ctx.run, cand.cluster, ctx.reservations.get(cand.cluster.name), cand.used, cand.queued,
+                           ctx.public_options)
+
+
 # Rules recorded only where they concern (a candidate's rules list stays as it was elsewhere).
 _ONLY_WHERE: Mapping[str, Callable[[_Context, Cluster], bool]] = {
     "fenced": lambda ctx, c: bool(ctx.takeover.down),
     "role": lambda ctx, c: c.is_dr,
     "takeover": lambda ctx, c: ctx.takeover.active,
+    "reservation": lambda ctx, c: c.name in ctx.reservations,
 }
 
 
@@ -254,6 +270,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("spot", _rule_spot),
     ("gang_fits", _rule_gang_fits),
     ("price_ceiling", _rule_price_ceiling),
+    ("reservation", _rule_reservation),
     ("room", _rule_room),
 )
 
@@ -270,6 +287,7 @@ def choose_cluster(
     waits: Mapping[str, WaitEstimate] | None = None,
     queues: Mapping[str, frozenset[str] | None] | None = None,
     takeover: Takeover | None = None,
+    reservations: Mapping[str, Reservation] | None = None,
 ) -> PlacementDecision:
     """Pick the cluster and node pool for ``run``.
 
@@ -280,7 +298,7 @@ def choose_cluster(
     the gang now (moving a waiting gang). ``waits`` are the clusters' estimated waits, for a run
     with ``start_by``. ``queues`` names the team queues that exist on each cluster (None: not known).
     ``takeover``: the clusters declared down (None: none); a run held by it raises ``PlacementHeld``.
-    """
+    ``reservations``: the private clusters keeping GPUs for private-only work (:mod:`.reserve`)."""
     settings = estate.pipeline.placement
     threshold = settings.spill_threshold
     excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
@@ -294,8 +312,15 @@ def choose_cluster(
 
     ctx = _Context(run=run, excluded=excluded, unreachable=dict(unreachable or {}), require_room=require_room,
                    queues=dict(queues or {}), queue=estate.queue_of(run.team) if run.team in estate.teams else "",
-                   takeover=takeover)
+                   takeover=takeover, reservations=dict(reservations or {}))
     candidates = [_assess(ctx, c, used[name], queued[name], spilling) for name, c in sorted(estate.clusters.items())]
+    public = tuple(c.cluster.name for c in candidates if c.eligible and c.cluster.location == "public")
+    # Kept GPUs are refused only to a run another cluster would take now; one that asked for private
+    # clusters queues there like work that may run only there.
+    if ctx.reservations and public and run.cluster_preference != "private":
+        ctx = dataclasses.replace(ctx, public_options=public)
+        candidates = [_assess(ctx, c.cluster, c.used, c.queued, spilling) if c.cluster.name in ctx.reservations else c
+                      for c in candidates]
     eligible = sorted((c for c in candidates if c.eligible), key=_Candidate.key)
     deadline = _by_deadline(run, eligible, waits) if run.start_by_s and eligible else None
     if deadline is not None:
@@ -445,46 +470,17 @@ def _why_lost(cand: _Candidate, winner: _Candidate, share: float, threshold: flo
     return "tied on load and price; name order decides"
 
 
-def _wait_text(wait: WaitEstimate) -> str:
-    return "unknown" if wait.seconds is None else format_duration(wait.seconds)
-
-
-def _by_deadline(run: AdmittedRun, eligible: list[_Candidate],
-                 waits: Mapping[str, WaitEstimate] | None) -> tuple[list[_Candidate], list[str]] | None:
-    """Eligible clusters in deadline order with the reasons, or None when no cluster has an estimate
-    (the usual rules decide). Expected in time: cheapest first; else soonest known first."""
-    if not waits:
-        return None
-    start_by = float(run.start_by_s)
-    for cand in eligible:
-        cand.wait = waits.get(cand.cluster.name) or WaitEstimate(cand.cluster.name, None, "no estimate")
-    estimates = [f"{c.cluster.name}: expected wait {_wait_text(c.wait)} ({c.wait.basis})" for c in eligible]
-    known = [c for c in eligible if c.wait.seconds is not None]
-    if not known:
-        return None
-    in_time = [c for c in known if c.wait.seconds <= start_by]
-    head = f"start_by {format_duration(start_by)}"
-    if in_time:
-        first = sorted(in_time, key=lambda c: (c.price, c.key()))
-        why = [f"{head}: {first[0].cluster.name} is the cheapest cluster expected to start in time "
-               f"({first[0].price:.2f} USD/GPU-hour)"]
-    else:
-        first = sorted(known, key=lambda c: (c.wait.seconds, c.price, c.key()))
-        why = [f"{head}: no cluster is expected to start in time; {first[0].cluster.name} is expected to start soonest"]
-    rest = [c for c in eligible if c not in first]
-    return first + rest, why + [f"estimate: {e}" for e in estimates]
-
-
 def place(run: AdmittedRun, estate: Estate, loads: Mapping[str, ClusterLoad], *,
           exclude: Mapping[str, str] | Collection[str] = (), require_room: bool = False,
           waits: Mapping[str, WaitEstimate] | None = None, takeover: Takeover | None = None) -> PlacementDecision:
     """:func:`choose_cluster` on the clusters' load readings (as :func:`hybridflow.backends.estate_load`
     gives them): usage, queue, reachability and the team queues that exist; the clusters declared
     down are read from the fence (:func:`hybridflow.placement.takeover.current`) unless given."""
+    kept = None if private_only(run, estate) else reservations(estate, loads, last_private_only_arrivals(estate))
     return choose_cluster(
         run, estate, {n: ld.used for n, ld in loads.items()}, exclude=exclude,
         queued_gpus={n: ld.queued for n, ld in loads.items()},
         unreachable={n: ld.reason or "no answer" for n, ld in loads.items() if not ld.reachable},
         require_room=require_room, waits=waits, queues={n: ld.queues for n, ld in loads.items()},
-        takeover=current(estate) if takeover is None else takeover,
+        takeover=current(estate) if takeover is None else takeover, reservations=kept,
     )

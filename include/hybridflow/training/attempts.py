@@ -31,9 +31,12 @@ def begin_attempt(job: Any, label: str, gang: str | None, log: Any) -> dict:
     return attempt
 
 
-def end_attempt(job: Any, attempt: dict, outcome: str, log: Any) -> list[dict]:
-    """Note how ``attempt`` ended and what it achieved, and bill it; every attempt of the run."""
+def end_attempt(job: Any, attempt: dict, outcome: str, log: Any, reason: str | None = None) -> list[dict]:
+    """Note how ``attempt`` ended (and why, e.g. a move to make room) and what it achieved, and bill
+    it; every attempt of the run."""
     progress = attempt_progress(job.places(), attempt["attempt"], log)
+    if reason:
+        progress["reason"] = reason
     if outcome != "not_admitted":
         restarts = gang_preemptions(job.backend, attempt.get("gang"), log)
         if restarts is not None:

@@ -63,6 +63,7 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
     from hybridflow import rundata
     from hybridflow.backends import gang_backend
     from hybridflow.placement.places import cache_store_spec, checkpoint_replica_spec, checkpoint_store_spec
+    from hybridflow.placement.reserve import movable, private_only
     from hybridflow.request import AdmittedRun
 
     admitted = AdmittedRun.from_xcom(dict(run))
@@ -102,13 +103,17 @@ def build_job(run: dict, placement: dict, staged: dict, identity: RunIdentity, s
                              "with different credentials; stage the data into the cache instead")
         env = {**env, **data_env}
     backend = gang_backend(cluster, estate, settings.state_dir)
+    attempts_path = run_dir(settings.private_root, run_key) / ATTEMPTS_FILE
     return TrainJob(
         identity=identity, admitted=admitted, placement=placement, cluster=cluster,
         run_key=run_key, ckpt_spec=ckpt_spec, replica_spec=replica_spec, spec=spec, model=model,
         env=env,
-        attempts_path=run_dir(settings.private_root, run_key) / ATTEMPTS_FILE,
+        attempts_path=attempts_path,
         labels={"project": req.project, "team": admitted.team, "priority": req.priority,
-                "interruptible": str(req.interruptible).lower()},
+                "interruptible": str(req.interruptible).lower(),
+                # Its queue ticket says so: placement keeps private capacity for such work (placement.reserve).
+                "private_only": str(private_only(admitted, estate)).lower(),
+                "movable": str(movable(admitted, cluster, estate, moves_so_far(attempts_path))).lower()},
         log=log,
         task_reads_local=backend.reads_private_storage,
         owner=gang_owner(identity, task_id),
@@ -161,3 +166,10 @@ def bring_home(job: TrainJob, gang: str | None, attempts: list[dict], preemption
         "gpu_seconds": round(gpu_seconds, 3),
         "attempts": attempts,
     }
+
+
+def moves_so_far(attempts_path) -> int:
+    """How often the run's gangs were moved to make room (attempts that ended ``moved``)."""
+    from hybridflow.training.attempts import read_attempts
+
+    return sum(a.get("outcome") == "moved" for a in read_attempts(attempts_path))

@@ -21,3 +21,28 @@ def forgets_the_model(ctx) -> None:
         ctx.log(step, loss=1.0 / (step + rows))
         if ctx.should_stop():
             break
+
+
+def paced(ctx) -> None:
+    """A tiny model trained one step every ``pace_ms`` (hyperparameter, default 20): slow enough for a
+    test to find its gang running, move it and see it resume from its checkpoint elsewhere."""
+    import time
+
+    import torch
+    from torch import nn
+
+    model = ctx.wrap(nn.Linear(4, 2))
+    optimizer = ctx.optimizer(model, lr=0.01, momentum=0.0)
+    step = start = ctx.restore(model, optimizer)
+    for step in range(start + 1, ctx.hparams["steps"] + 1):
+        loss = model(torch.ones(1, 4, device=ctx.device)).sum()
+        ctx.backward(loss)
+        ctx.step(optimizer)
+        ctx.log(step, loss=loss.item())
+        if ctx.should_stop():
+            break
+        if ctx.checkpoint.due(step):
+            ctx.save_checkpoint(step, model, optimizer)
+        time.sleep(ctx.hparams.get("pace_ms", 20) / 1000)
+    ctx.save_checkpoint(step, model, optimizer)
+    ctx.save_model(model)
