@@ -59,6 +59,11 @@ def test_a_run_that_may_run_public_leaves_the_kept_gpus_to_restricted_work_waiti
     assert "4 of 4 GPUs are kept for work that may run only on private clusters" in why
     assert "this run may run on cloud-east" in why and "placement.reservation.share" in why
     assert not candidate(d, "onprem-a")["eligible"]
+    # The run's page says so, next to the other rules.
+    from hybridflow.ui.runs import render_placement
+
+    page = render_placement(d.to_xcom())
+    assert "4 of 4 GPUs are kept for work that may run only on private clusters" in page
     # Without the reservation the same run goes private first.
     assert choose_cluster(run_for(estate, **SPOT), estate, {}).cluster == "onprem-a"
 
@@ -204,3 +209,19 @@ def _poll_until_end(backend, handle, polls: int = 400):
             return status
         time.sleep(0.05)
     raise AssertionError("the gang did not end")
+
+
+def test_on_a_kubernetes_private_cluster_interruptible_runs_leave_the_kept_gpus_too(tmp_path, run_for) -> None:
+    """Its backend cannot move a gang off yet, so an interruptible run there could not make room."""
+    def kubernetes(clusters: dict, projects: dict, pipeline: dict) -> None:
+        clusters["clusters"]["onprem-a"].update(
+            backend="kubernetes", conn_id="k8s_onprem", scheduler="volcano", image="registry.example/trainer:1",
+            cache={"conn_id": "onprem_cache", "bucket": "onprem-cache"}, checkpoint_store="cache",
+            checkpoint_replica="scratch", scratch_claim="onprem-scratch", scratch_dir="/scratch")
+        clusters["clusters"]["onprem-a"]["node_pools"][0]["node_labels"] = {"hybridflow.io/pool": "a100"}
+
+    estate = custom_estate(tmp_path, kubernetes)
+    kept = reservations(estate, _loads(estate, onprem_a=2), {})
+    assert kept["onprem-a"].move_budget == 0
+    d = choose_cluster(run_for(estate, **SPOT), estate, {}, reservations=kept)
+    assert d.cluster == "cloud-east" and "GPUs are kept" in candidate(d, "onprem-a")["rules"]["reservation"]
