@@ -55,22 +55,10 @@ def _gang_error(
     # A worker stopped on purpose exits 75 after its checkpoint; one still starting up when the stop came
     # ends on the signal itself (SIGTERM before its handler is set, SIGKILL after the grace period).
     on_purpose = stop is not None and code in (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGKILL)
-    if on_purpose and stop.get("move"):
-        return GangMoved(
-            f"gang {job_name!r} was moved after checkpointing: {stop.get('reason')}",
-            reason=str(stop.get("reason")),
-            rank=rank,
-            exit_code=code,
-            log_tail=tail,
-        )
-    if on_purpose:
-        return GangStopped(
-            f"gang {job_name!r} was stopped after checkpointing: {stop.get('reason')}",
-            reason=str(stop.get("reason")),
-            rank=rank,
-            exit_code=code,
-            log_tail=tail,
-        )
+    if on_purpose:  # moved to make room (placed again elsewhere), or stopped for good
+        kind, what = (GangMoved, "moved") if stop.get("move") else (GangStopped, "stopped")
+        return kind(f"gang {job_name!r} was {what} after checkpointing: {stop.get('reason')}",
+                    reason=str(stop.get("reason")), rank=rank, exit_code=code, log_tail=tail)
     if code == PREEMPTED_EXIT_CODE:
         return GangPreempted(
             f"gang {job_name!r} was preempted (rank {rank} exited {code} after checkpointing); "
