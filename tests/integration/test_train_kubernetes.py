@@ -370,3 +370,89 @@ def test_an_application_error_spends_an_airflow_retry_and_no_preemption_budget(e
         assert stored["status"]["retryCount"] == 0 and stored["status"]["state"]["phase"] == "Terminated"
     else:
         assert [c["reason"] for c in stored["status"]["conditions"]] == ["PodFailurePolicy"]
+
+
+@pytest.mark.parametrize("estate", [("kueue", True), ("volcano", False)], indirect=True,
+                         ids=["kueue-deferred", "volcano-blocking"])
+def test_a_gang_moved_off_to_make_room_is_placed_again_and_resumes_from_its_checkpoint(estate) -> None:
+    """Once the gang has committed a checkpoint, it is moved off the cluster (as making room does:
+    Kueue's Workload deactivated, or a Volcano AbortJob Command): its workers checkpoint and stop, the
+    task reads why from the job it kept, ends the attempt 'moved' with that reason, deletes the job
+    and places the run again elsewhere, where it resumes from the checkpoint."""
+    from tests.support.k8s_sim_api import FakeBatchV1Api, FakeCoreV1Api, FakeCustomObjectsApi
+
+    from hybridflow import pipeline
+    from hybridflow.backends.k8s import moves
+    from hybridflow.placement.places import checkpoint_store_spec
+    from hybridflow.settings import get_settings
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    run, placement, _, op, context = _train_task("k8s-moved", hyperparameters={"steps": 400},
+                                                 checkpoint_every_steps=20)
+    assert placement["cluster"] == CLUSTER
+    ckpt = CheckpointStore(open_store(checkpoint_store_spec(
+        run["run_key"], pipeline._estate(get_settings()).clusters[CLUSTER], get_settings())))
+    sim = estate.sim
+    # The product's move, on the simulator's objects in this process (the task reaches them over HTTP).
+    cluster = SimpleNamespace(
+        hook=SimpleNamespace(custom_object_client=FakeCustomObjectsApi(sim), batch_v1_client=FakeBatchV1Api(sim),
+                             core_v1_client=FakeCoreV1Api(sim)),
+        namespace="hybridflow", scheduler=estate.scheduler, API_TIMEOUT_S=5)
+    moved = []
+
+    def step() -> None:
+        estate.kubelet.step()
+        if not moved and ckpt.committed_steps():
+            job = next(iter(sim.vcjobs or sim.jobs))[1]
+            moved.append(job)  # first: the move's own reads of the job come back here
+            assert moves.move(cluster, job, "making room on k8s-dc2 for train-restricted (test)")
+
+    sim.on_read = step
+    result = _execute(op, context, estate)
+    assert moved, "the gang finished before its first checkpoint was seen"
+    assert result["cluster"] != CLUSTER and result["final_step"] == 400
+    attempts = json.loads((estate.home / "private" / "runs" / run["run_key"] / "train-attempts.json").read_text())
+    assert [(a["cluster"], a["outcome"]) for a in attempts] == [(CLUSTER, "moved"), (result["cluster"], "succeeded")]
+    assert attempts[0]["reason"] == "making room on k8s-dc2 for train-restricted (test)"
+    assert attempts[1]["start_step"] >= attempts[0]["last_committed_step"] > 0  # resumed from its checkpoint
+    exits = [code for pod, code in estate.kubelet.exits if pod.startswith(moved[0])]
+    assert exits == [75, 75]  # both workers committed their checkpoint on SIGTERM
+    assert not sim.vcjobs and not sim.jobs and not sim.secrets  # the moved gang's job is gone with its Secret
+    shown = json.loads((estate.home / "private" / "runs" / run["run_key"] / "placement.json").read_text())
+    assert shown["failovers"][0] == {"cluster": CLUSTER, "reason": "making room on k8s-dc2 for train-restricted (test)"}
+
+
+@pytest.mark.parametrize("estate", [("kueue", True)], indirect=True, ids=["kueue-deferred"])
+def test_a_private_only_run_that_waits_on_kubernetes_makes_room_when_its_task_defers(estate) -> None:
+    """A run limited to jurisdiction eu (no public cluster is there) finds both private clusters full,
+    k8s-dc2 with an interruptible gang that may move: when its task defers, the movable gang is moved
+    off (its Workload deactivated), and the run's gang is admitted and trains there."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from hybridflow import pipeline
+    from hybridflow.backends.k8s.backend import KubernetesGangBackend
+    from hybridflow.backends.local import GangJob, LocalSlotPool
+    from hybridflow.settings import get_settings
+
+    other = LocalSlotPool(estate.home / "state", "onprem-a", 4)
+    assert other.try_acquire("train-other", 4, team="search")  # the other private cluster is full
+    cluster = pipeline._estate(get_settings()).clusters[CLUSTER]
+    side = KubernetesGangBackend(cluster, image="trainer:1", command=("python", "-c", "import time; time.sleep(60)"))
+    movable = GangJob(name="train-movable", workers=4, spec={}, env={},
+                      labels={"priority": "normal", "team": "search", "interruptible": "true", "movable": "true"})
+    side.submit_spec(side.gang_spec(movable, pool=cluster.node_pools[0].name, queue="search"))
+    for _ in range(5):
+        estate.kubelet.step()
+    assert side.status(movable.name).phase == "running"
+
+    run, placement, _, op, context = _train_task("k8s-room", regions=["eu"])
+    assert placement["cluster"] == CLUSTER
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context)
+    assert "patch workload" in " ".join(estate.sim.calls)
+    assert estate.sim.jobs[("hybridflow", movable.name)]["metadata"]["annotations"]["hybridflow.io/moved-reason"]
+    resumed = type(op)(task_id=op.task_id, run=op.run, placement=op.placement, staged=op.staged)
+    result = _complete(resumed, context, deferred.value, asyncio.run(_first_event(deferred.value.trigger)), estate)
+    assert result["cluster"] == CLUSTER and result["final_step"] == 40
+    assert side.status(movable.name).phase == "preempted"  # moved: its own task would place it again

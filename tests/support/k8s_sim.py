@@ -39,6 +39,7 @@ import uuid
 
 from kubernetes.client.exceptions import ApiException
 from tests.reference import REFERENCE  # noqa: F401 - tests resolve the reference data through here
+from tests.support import k8s_sim_moves as moves
 from tests.support import k8s_sim_policies as policies
 from tests.support import k8s_sim_preemption as preemption
 from tests.support import k8s_sim_queues as queues
@@ -316,8 +317,8 @@ class SimCluster:
         if preemption.stop_if_evicted(self, ns, name, job):
             return
         if spec.get("suspend"):
-            if not self.kueue_admits:
-                return
+            if not self.kueue_admits or not moves.active(queues.workload_of(self, ns, name)):
+                return  # an inactive Workload (a gang moved off) is never admitted again
             nodes = self._place([template] * spec["parallelism"]) if queues.kueue_quota_allows(self, ns, name) \
                 else None
             if nodes is None:

@@ -141,6 +141,8 @@ class _Fake:
 
 
 VCJOBS = ("batch.volcano.sh", "v1alpha1", "jobs")
+COMMANDS = ("bus.volcano.sh", "v1alpha1", "commands")  # run at once, as Volcano's job controller does
+WORKLOADS = ("kueue.x-k8s.io", "v1beta2", "workloads")  # patched only to (de)activate
 KSERVE_GROUP = "serving.kserve.io"  # InferenceServices, served once a KServe controller is attached
 KNATIVE_GROUP = "serving.knative.dev"  # served with a KServe controller in Serverless mode
 # (group, version, plural) -> the simulator's store, whether namespaced, the kind, its CRD (file, version).
@@ -195,6 +197,10 @@ class FakeCustomObjectsApi(_Fake):
     def create_namespaced_custom_object(self, group, version, namespace, plural, body, **kwargs):
         if (kserve := self._kserve(group)) is not None:
             return kserve.create(namespace, body)
+        if (group, version, plural) == COMMANDS:
+            from tests.support import k8s_sim_moves as moves  # it imports this module's fakes' neighbours
+
+            return moves.run_command(self.sim, namespace, copy.deepcopy(body))
         self._check(group, version, plural)
         self.sim.calls.append(f"create vcjob {body['metadata']['name']}")
         crd_validator("volcano/batch.volcano.sh_jobs.yaml").validate(body)  # the API server's check
@@ -251,6 +257,11 @@ class FakeCustomObjectsApi(_Fake):
         if (kserve := self._kserve(group)) is not None:
             _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
             return kserve.patch(namespace, name, body)
+        if (group, version, plural) == WORKLOADS:
+            _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")
+            from tests.support import k8s_sim_moves as moves
+
+            return self._out(self._resource(group, version, plural), moves.patch_workload(self.sim, namespace, name, body))
         self._check(group, version, plural)
         # CustomObjectsApi sends a merge patch unless told otherwise.
         _check_patch(body, kwargs.get("_content_type") or "application/merge-patch+json")

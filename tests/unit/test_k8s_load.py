@@ -214,7 +214,8 @@ def test_every_served_queue_object_is_valid_against_its_crd(sim, scheduler):
 @pytest.mark.parametrize("scheduler", ["volcano", "kueue"])
 def test_a_reading_is_shared_for_cache_s_then_read_again(sim, scheduler, clock):
     _scenario(sim, scheduler)
-    reads_per_load = 2 if scheduler == "volcano" else 3
+    # the queues, the waiting gangs' objects and, since some wait, the gangs labelled private-only
+    reads_per_load = (2 if scheduler == "volcano" else 3) + 1
     sim.requests.clear()
     first = _backend(scheduler, cache_s=5).load()
     again = _backend(scheduler, cache_s=5).load()  # a fresh backend of the same cluster, 0 s later
@@ -238,7 +239,8 @@ def test_every_read_carries_the_timeout(sim, scheduler):
     backend.standing(names["normal"])
     backend.queue_exists("vision-q")
     backend.queue_exists("nobody")
-    assert len(sim.requests) == (2 if scheduler == "volcano" else 3) * 2 + 2
+    # a load: the queues, the waiting gangs' objects and the gangs labelled private-only; twice
+    assert len(sim.requests) == ((2 if scheduler == "volcano" else 3) + 1) * 2 + 2
     assert {timeout for _, timeout in sim.requests} == {2.5}
 
 

@@ -4,6 +4,7 @@ take leaves the kept GPUs free, and the rule says why per candidate."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -211,8 +212,10 @@ def _poll_until_end(backend, handle, polls: int = 400):
     raise AssertionError("the gang did not end")
 
 
-def test_on_a_kubernetes_private_cluster_interruptible_runs_leave_the_kept_gpus_too(tmp_path, run_for) -> None:
-    """Its backend cannot move a gang off yet, so an interruptible run there could not make room."""
+def test_on_a_kubernetes_private_cluster_interruptible_runs_use_the_kept_gpus_too(tmp_path, run_for,
+                                                                                 monkeypatch) -> None:
+    """Its backend moves a gang off too (its scheduler stops the job after the checkpoint), so an
+    interruptible run may use the kept GPUs there; with no move budget it may not."""
     def kubernetes(clusters: dict, projects: dict, pipeline: dict) -> None:
         clusters["clusters"]["onprem-a"].update(
             backend="kubernetes", conn_id="k8s_onprem", scheduler="volcano", image="registry.example/trainer:1",
@@ -220,8 +223,14 @@ def test_on_a_kubernetes_private_cluster_interruptible_runs_leave_the_kept_gpus_
             checkpoint_replica="scratch", scratch_claim="onprem-scratch", scratch_dir="/scratch")
         clusters["clusters"]["onprem-a"]["node_pools"][0]["node_labels"] = {"hybridflow.io/pool": "a100"}
 
+    from hybridflow import conncheck
+
+    monkeypatch.setattr(conncheck, "probe", lambda cluster, timeout_s: None)  # its Connection answers
     estate = custom_estate(tmp_path, kubernetes)
     kept = reservations(estate, _loads(estate, onprem_a=2), {})
-    assert kept["onprem-a"].move_budget == 0
+    assert kept["onprem-a"].move_budget == 1
     d = choose_cluster(run_for(estate, **SPOT), estate, {}, reservations=kept)
+    assert d.cluster == "onprem-a" and candidate(d, "onprem-a")["rules"]["reservation"] == "pass"
+    spent = {"onprem-a": dataclasses.replace(kept["onprem-a"], move_budget=0)}  # as with move_budget: 0
+    d = choose_cluster(run_for(estate, **SPOT), estate, {}, reservations=spent)
     assert d.cluster == "cloud-east" and "GPUs are kept" in candidate(d, "onprem-a")["rules"]["reservation"]

@@ -21,7 +21,7 @@ import hashlib
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -172,7 +172,7 @@ class ClusterLoad:
     queues: frozenset[str] | None = None
     # GPUs of waiting gangs that may run only on private clusters (restricted data, or regions only
     # private clusters are in): placement keeps private capacity for them (hybridflow.placement.reserve).
-    # The local pool knows them; a Kubernetes cluster reports 0 (its waiting gangs are not labelled so).
+    # The local pool knows them; a Kubernetes cluster counts its waiting gangs labelled private_only.
     private_only_queued: int = 0
 
     @property
@@ -355,10 +355,16 @@ class GangBackend(ABC):
         """Release ``remnant`` (a gang is stopped for good with ``reason``, with what it holds); one
         already gone is not an error."""
 
+    @abstractmethod
     def move(self, name: str, reason: str) -> bool:
         """Stop gang ``name`` after its checkpoint so that its task places the run elsewhere (making room
-        for work that may run only on this cluster); True if it ran. Where a backend cannot, it says so."""
-        raise NotImplementedError(f"{type(self).__name__} does not move gangs to make room yet")
+        for work that may run only on this cluster); True if it ran."""
+
+    def make_room(self, name: str, log: Callable[[str], None] = print) -> list[str]:
+        """If waiting gang ``name`` (work that may run only on this cluster) heads the queue and does
+        not fit, :meth:`move` the newest movable gangs off until it does; the names moved. A backend
+        whose queue does this itself when it admits (the local one) has nothing to do here."""
+        return []
 
     def check_job(self, job: GangJob, *, pool: str | None = None, queue: str | None = None) -> None:
         """Refuse ``job`` before anything is started or deleted when this backend could not run it

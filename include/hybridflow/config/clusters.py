@@ -137,12 +137,6 @@ class Cluster(_Model):
         return self.backend == "local"
 
     @property
-    def moves_gangs(self) -> bool:
-        """Its backend can checkpoint a running gang and hand it back to its task to be placed again
-        (making room for work that may run only here): the local backend; not yet Kubernetes."""
-        return self.on_this_machine
-
-    @property
     def is_dr(self) -> bool:
         return self.role == "dr"
 

@@ -76,7 +76,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         admission window (moved to a cluster that would admit it now, or deferred again), or it
         waited ``training.max_queue_wait_s``."""
         from hybridflow.backends import gang_backend
-        from hybridflow.backends.errors import GangNotAdmitted
+        from hybridflow.backends.errors import GangMoved, GangNotAdmitted
         from hybridflow.config import load_estate
         from hybridflow.settings import get_settings
 
@@ -95,6 +95,12 @@ class GangTrainOperator(QueueWaits, BaseOperator):
                                   event.get("message", ""))
         try:
             status = backend.on_event(event)
+        except GangMoved as exc:  # checkpointed to make room there: placed again from that checkpoint
+            if self._killed:
+                self._end_attempt_on_error(job, attempt, exc, estate)
+            moved = self._after_wait(context, self._moved(job, attempt, exc), placement, staged, estate, settings,
+                                     time.time())
+            return self._train_with_failover(context, settings, estate, *moved)
         except GangNotAdmitted as exc:
             try:  # placement runs here, never in the trigger: move to a cluster with room, or stay
                 moved = self._after_wait(context, exc, placement, staged, estate, settings, queued_since)
@@ -230,7 +236,7 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         the triggerer when ``training.kubernetes_deferrable`` (no worker slot held for hours)."""
         from hybridflow.backends import gang_backend
         from hybridflow.backends.base import GangJob
-        from hybridflow.backends.errors import GangNotAdmitted
+        from hybridflow.backends.errors import GangMoved, GangNotAdmitted
         from hybridflow.queueing import hold_for_team_cap
 
         req = job.admitted.request
@@ -263,11 +269,25 @@ class GangTrainOperator(QueueWaits, BaseOperator):
             self._end_attempt(job, attempt, "not_admitted")
             exc.queued_since = queued_since or started
             raise
+        except GangMoved as exc:
+            if self._killed:
+                self._end_attempt_on_error(job, attempt, exc, estate)
+            raise self._moved(job, attempt, exc) from exc
         except BaseException as exc:
             self._end_attempt_on_error(job, attempt, exc, estate)
         attempts = self._end_attempt(job, attempt, "succeeded")
         backend.delete_secret(self._job_name)  # the store credentials do not outlive the gang
         return self._bring_home(job, attempts, status.retries, started)
+
+    def _moved(self, job: TrainJob, attempt: dict, exc) -> BaseException:
+        """A Kubernetes gang moved off its cluster to make room: the attempt ends ``moved`` with the
+        reason, the job (kept so that this task could read why) is deleted, and the run is placed
+        again as after a wait, that cluster excluded."""
+        from hybridflow.backends.errors import GangNotAdmitted
+
+        self._end_attempt(job, attempt, "moved", exc.reason)
+        self._backend.cancel(self._job_name)
+        return GangNotAdmitted(str(exc), cluster=job.cluster.name, queued_since=time.time(), moved=exc.reason)
 
     def _defer_to_gang(self, job: TrainJob, backend, estate, attempt: dict, started: float, queued_since: float,
                        *, created: bool, admitted: bool) -> NoReturn:
@@ -281,6 +301,8 @@ class GangTrainOperator(QueueWaits, BaseOperator):
         self.log.info("gang %s %s on %s (%s); waiting in the triggerer", self._job_name,
                       "submitted" if created else "re-attached", cluster.name, cluster.scheduler)
         if not admitted:
+            if job.labels.get("private_only") == "true":  # it may run only here: movable gangs make room
+                backend.make_room(self._job_name, log=self.log.info)
             self._note_waiting(job, backend, estate, queued_since, get_settings())
         self.defer(
             trigger=backend.wait_trigger(

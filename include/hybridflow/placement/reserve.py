@@ -36,8 +36,7 @@ class Reservation:
     cluster: str
     kept: int  # GPUs a run that may run public leaves free
     why: str  # what the GPUs are kept for
-    # Interruptible runs may use them when > 0: they are moved off when needed (0 where the cluster's
-    # backend cannot move gangs, as on Kubernetes for now).
+    # Interruptible runs may use them when > 0: they are moved off when needed.
     move_budget: int = 0
 
 
@@ -53,7 +52,7 @@ def private_only(run: AdmittedRun, estate: Estate) -> bool:
 def movable(run: AdmittedRun, cluster: Cluster, estate: Estate, moves: int) -> bool:
     """A gang of ``run`` on ``cluster`` may be moved to a public cluster to make room for private-only
     work: interruptible, may run public, on a private cluster, moved fewer than ``move_budget`` times."""
-    return (run.interruptible and cluster.location == "private" and cluster.moves_gangs
+    return (run.interruptible and cluster.location == "private"
             and not private_only(run, estate) and moves < estate.pipeline.placement.reservation.move_budget)
 
 
@@ -82,7 +81,7 @@ def reservations(estate: Estate, loads: Mapping[str, ClusterLoad],
                    f"within placement.reservation.expect_within_h = {cfg.expect_within_h:g})")
         else:
             continue
-        out[name] = Reservation(name, kept, why, cfg.move_budget if cluster.moves_gangs else 0)
+        out[name] = Reservation(name, kept, why, cfg.move_budget)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.runs import run_dir, write_json_atomic
@@ -40,6 +40,7 @@ def fail_over(
         log.info("No other eligible cluster would admit the gang now; it keeps its place on %s:\n%s", cluster, exc)
         return None
     log.warning("Moving from %s (%s):\n%s", cluster, reason, decision.explain())
+    carry_checkpoint(run, decision.cluster, estate, settings)
     out = decision.to_xcom()
     staged = stage_data(run, out, settings)
     out["staged_source"] = staged["source"]
@@ -89,6 +90,37 @@ class NewestCheckpoint:
     step: int
     committed_at: float  # epoch, the manifest's time
     uri: str
+    spec: Any = field(default=None, compare=False)  # the place it is in (a StoreSpec)
+
+
+def carry_checkpoint(run: Mapping[str, Any], cluster_name: str, estate, settings: Settings) -> int | None:
+    """Copy the run's newest checkpoint into ``cluster_name``'s primary checkpoint place when neither
+    of that cluster's places holds it (a gang that trained elsewhere, then moved or failed over, with
+    its checkpoints in that cluster's bucket): its gang there resumes from it instead of step 0. The
+    copy is verified as it is read and names ``cluster_name`` as where it now is. The step copied;
+    None when there was nothing to copy or it could not be read (the gang then starts afresh)."""
+    from hybridflow.placement.places import checkpoint_replica_spec, checkpoint_store_spec
+    from hybridflow.storage.objectstore import open_store
+    from hybridflow.training.checkpoint import CheckpointStore
+
+    newest = newest_checkpoint(run, estate, settings)
+    if newest is None or newest.spec is None:
+        return None
+    cluster = estate.clusters[cluster_name]
+    places = [checkpoint_store_spec(run["run_key"], cluster, settings),
+              checkpoint_replica_spec(run["run_key"], cluster, settings)]
+    try:
+        if any(newest.step in CheckpointStore(open_store(p)).committed_steps() for p in places):
+            return None
+        checkpoint = CheckpointStore(open_store(newest.spec)).load(newest.step)
+        CheckpointStore(open_store(places[0])).save(
+            newest.step, checkpoint.shards, {**checkpoint.meta, "cluster": cluster_name, "carried_from": newest.uri})
+    except Exception as exc:  # noqa: BLE001 - the move goes on; only its head start is lost
+        log.warning("could not carry checkpoint step %d from %s to %s (%s: %s); its gang starts from the newest "
+                    "checkpoint it finds there", newest.step, newest.uri, cluster_name, type(exc).__name__, exc)
+        return None
+    log.info("Checkpoint step %d carried from %s to %s's %s", newest.step, newest.uri, cluster_name, places[0].uri)
+    return newest.step
 
 
 def newest_checkpoint(run: Mapping[str, Any], estate, settings: Settings) -> NewestCheckpoint | None:
@@ -119,5 +151,5 @@ def newest_checkpoint(run: Mapping[str, Any], estate, settings: Settings) -> New
                         uri, type(exc).__name__, exc)
             continue
         if manifest.meta.get("cluster"):
-            found.append(NewestCheckpoint(str(manifest.meta["cluster"]), manifest.step, manifest.time, uri))
+            found.append(NewestCheckpoint(str(manifest.meta["cluster"]), manifest.step, manifest.time, uri, spec))
     return max(found, key=lambda c: (c.step, c.committed_at), default=None)

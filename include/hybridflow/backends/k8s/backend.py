@@ -10,11 +10,8 @@ Re-runnable by construction: the job's name derives from the run (``gang_job_nam
 is re-attached (a retried or cleared task never starts a second gang); a failed one is deleted
 and submitted afresh, since that is what a retry asks for.
 
-Same contract as the local backend where it matters to the train task: :meth:`run` blocks until
-the gang succeeded and raises ``GangNotAdmitted`` (the job keeps its place in the queue; the train
-task deletes it if the run moves to another cluster) or ``GangFailed``; :meth:`cancel` is for ``on_kill``. The
-deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger` (which
-polls the job's status), then :meth:`outcome` on its event.
+The deferrable path is :meth:`submit`, then :class:`~hybridflow.backends.k8s.trigger.GangJobTrigger`
+(which polls the job's status), then :meth:`outcome` on its event; :meth:`run` is the blocking form.
 
 :meth:`KubernetesGangBackend.load` reads what placement needs from the cluster's gang scheduler
 itself (details in :mod:`hybridflow.backends.k8s.load`): Volcano's cluster-scoped Queues
@@ -46,8 +43,9 @@ from hybridflow.backends.base import (
     instance_identity,
     owner_annotations,
 )
-from hybridflow.backends.errors import GangFailed, GangNotAdmitted, PreemptionBudgetSpent
+from hybridflow.backends.errors import GangFailed, GangMoved, GangNotAdmitted, PreemptionBudgetSpent
 from hybridflow.backends.k8s import load as _load
+from hybridflow.backends.k8s import moves as _moves
 from hybridflow.backends.k8s import pods as _pods
 from hybridflow.backends.k8s.api import job_call, ride_out
 from hybridflow.backends.k8s.manifests import (
@@ -95,6 +93,10 @@ class Submission:
 def _rank_failure(failure: _pods.PodEnd) -> str:
     return (f"rank {failure.rank} (pod {failure.pod}) exited {failure.exit_code}"
             f"{': ' + failure.message if failure.message else ''}")
+
+
+def _label_key(key: str) -> str:
+    return key.replace("_", "-")  # a label name is a DNS label: private_only is hybridflow.io/private-only
 
 
 def _status_code(exc: BaseException) -> int | None:
@@ -183,7 +185,8 @@ class KubernetesGangBackend(GangBackend):
 
     def gang_spec(self, job: GangJob, *, pool: str, queue: str, gpus_per_worker: int = 1) -> GangSpec:
         """The manifest input for ``job`` (a GangJob as the train task builds it) on node pool ``pool``."""
-        labels = {k: v for k, v in job.labels.items() if k in ("project", "team", "interruptible")}
+        labels = {_label_key(k): v for k, v in job.labels.items()
+                  if k in ("project", "team", "interruptible", "private_only", "movable")}
         if job.spec.get("run_key"):
             # The job name may truncate the run key; metering can tie pods to the run by this label.
             labels["run-key"] = str(job.spec["run_key"])
@@ -321,6 +324,9 @@ class KubernetesGangBackend(GangBackend):
                 f"gang {name} not admitted yet on cluster {self.cluster.name} ({self.scheduler} queue; "
                 f"{self.standing(name).describe()})", cluster=self.cluster.name)
         where = f"gang {name} on cluster {self.cluster.name}"
+        if status.cause == _moves.MOVED:  # its task deletes the job and places the run again
+            raise GangMoved(f"{where} was checkpointed and moved: {status.message}", reason=status.message,
+                            rank=-1, exit_code=PREEMPTED_EXIT, log_tail=status.message)
         if status.cause == BUDGET_SPENT:
             self.delete(name)  # a Kueue Job would go on restarting it: stop it holding GPUs
             raise PreemptionBudgetSpent(
@@ -430,13 +436,22 @@ class KubernetesGangBackend(GangBackend):
         # Also after a 404: removes a Secret or Service the vanished job left behind.
         return self.delete(name)
 
+    def move(self, name: str, reason: str) -> bool:
+        """Checkpoint and stop gang ``name``, keeping its job so that its task reads that it was
+        moved and why (:mod:`~hybridflow.backends.k8s.moves`); False if there is no such gang."""
+        return _moves.move(self, name, reason)
+
+    def make_room(self, name: str, log: Callable[[str], None] = print) -> list[str]:
+        """Move the newest movable gangs off if gang ``name`` waits first and does not fit."""
+        return _moves.make_room(self, name, self._read_load(), log)
+
     def find_gangs(self, labels: Mapping[str, str], *, not_labels: Mapping[str, str] | None = None) -> list[str]:
         """Names (sorted) of the unfinished gang jobs whose ``hybridflow.io/<key>`` labels have every
         ``labels`` value and none of the ``not_labels`` values."""
         # The gang label's presence keeps other jobs of the namespace out, even with no labels asked for.
         parts = [GANG_LABEL]
-        parts += [f"hybridflow.io/{key}={value}" for key, value in sorted(labels.items())]
-        parts += [f"hybridflow.io/{key}!={value}" for key, value in sorted((not_labels or {}).items())]
+        parts += [f"hybridflow.io/{_label_key(key)}={value}" for key, value in sorted(labels.items())]
+        parts += [f"hybridflow.io/{_label_key(key)}!={value}" for key, value in sorted((not_labels or {}).items())]
         return self.list_gangs(",".join(parts))
 
     # --- what placement reads: usage and queues ---------------------------------------------------
@@ -463,7 +478,7 @@ class KubernetesGangBackend(GangBackend):
             return self._unknown(f"could not read the {self.scheduler} queues of {where}: {_load.describe_error(exc)}")
         return ClusterLoad(cluster=self.cluster_name, capacity=self.cluster.total_gpus, used=reading.used,
                            queued=reading.queued, teams=reading.teams, waiting=reading.waiting,
-                           queues=reading.queues)
+                           queues=reading.queues, private_only_queued=_moves.private_only_queued(self, reading.waiting))
 
     def _unknown(self, reason: str) -> ClusterLoad:
         return ClusterLoad.unknown(self.cluster_name, self.cluster.total_gpus, reason)

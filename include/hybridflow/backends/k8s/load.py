@@ -171,7 +171,7 @@ def _flavors_gpus(usage: list | None) -> int:
                if r.get("name") == GPU_RESOURCE)
 
 
-def _pod_gpus(template: Mapping) -> int:
+def pod_gpus(template: Mapping) -> int:
     total = 0
     for container in (template.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
@@ -211,7 +211,7 @@ def read_kueue(custom: Any, namespace: str, *, timeout: float, queue_teams: Mapp
         if (not spec.get("queueName") or spec.get("active") is False or _true(status, "QuotaReserved")
                 or _true(status, "Admitted") or _true(status, "Finished")):
             continue
-        gpus = sum(int(ps.get("count", 1)) * _pod_gpus(ps.get("template") or {}) for ps in spec.get("podSets") or [])
+        gpus = sum(int(ps.get("count", 1)) * pod_gpus(ps.get("template") or {}) for ps in spec.get("podSets") or [])
         labels = ((spec.get("podSets") or [{}])[0].get("template") or {}).get("metadata", {}).get("labels") or {}
         team = _team_of(spec["queueName"], queue_teams) or labels.get(_TEAM_LABEL)
         name = _owner(meta, "Job") or meta["name"]

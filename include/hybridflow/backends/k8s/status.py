@@ -18,6 +18,7 @@ from hybridflow.backends.base import (  # the contract's gang status, read here 
     SUCCEEDED,
     GangStatus,
 )
+from hybridflow.backends.k8s import moves as _moves
 from hybridflow.backends.k8s import pods as _pods
 from hybridflow.backends.k8s.api import missing
 from hybridflow.backends.k8s.manifests import VOLCANO_GROUP, VOLCANO_PLURAL, VOLCANO_VERSION
@@ -31,8 +32,9 @@ _VOLCANO_PHASES = {
 
 def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout: float,
                 max_retry: int | None = None) -> GangStatus:
-    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job. Each call
-    is bounded by ``timeout`` seconds.
+    """The gang job's state as a :class:`GangStatus`; ``missing`` if there is no such job; preempted
+    with cause ``moved`` once a gang moved off to make room has no pod left (:mod:`.moves`). Each
+    call is bounded by ``timeout`` seconds.
 
     Volcano counts restarts itself (``retryCount``, bounded by the job's ``maxRetry``). A Kueue Job's
     podFailurePolicy ignores preempted pods, so the restarts are counted here: the pods each rank lost
@@ -44,6 +46,9 @@ def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout
             obj = hook.custom_object_client.get_namespaced_custom_object(
                 group=VOLCANO_GROUP, version=VOLCANO_VERSION, namespace=namespace, plural=VOLCANO_PLURAL, name=name,
                 _request_timeout=timeout)
+            reason = _moves.moved_reason(obj["metadata"].get("annotations"))
+            if reason is not None and volcano_status(obj).phase != SUCCEEDED:
+                return _moves.moved_status(reason, _moves.live_pods(hook, namespace, name, timeout=timeout))
             return volcano_status(obj)
         job = hook.batch_v1_client.read_namespaced_job(name=name, namespace=namespace, _request_timeout=timeout)
     except Exception as exc:
@@ -51,6 +56,9 @@ def read_status(hook: Any, scheduler: str, namespace: str, name: str, *, timeout
             return GangStatus(MISSING, f"job {namespace}/{name} does not exist")
         raise
     status = kueue_status(job)
+    reason = _moves.moved_reason(job.metadata.annotations)
+    if reason is not None and status.phase != SUCCEEDED:  # moved off: its Workload's eviction is no preemption
+        return _moves.moved_status(reason, _moves.live_pods(hook, namespace, name, timeout=timeout))
     evicted = _pods.kueue_evictions(hook, namespace, job.metadata.uid, timeout=timeout)
     if status.phase not in (RUNNING, SUCCEEDED, FAILED) and not evicted.count:
         return status

@@ -6,6 +6,8 @@ decides in ``execute_complete``), and every outcome, errors included, becomes on
 
 - ``success``: the gang finished;
 - ``failed``: it failed for good (restarts exhausted, or the job vanished);
+- ``moved``: it was checkpointed and moved off to make room for work that may run only on its
+  cluster (:mod:`~hybridflow.backends.k8s.moves`): the operator places the run again;
 - ``not_admitted``: still waiting for gang admission ``admission_timeout_s`` after ``submitted_at``:
   the operator looks for another eligible cluster that would admit it now and moves it there, or
   defers again for another window (the gang keeps its place in the queue);
@@ -38,6 +40,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from hybridflow.backends.base import PREEMPTED
 from hybridflow.backends.k8s.api import describe, is_transient, job_call, misconfiguration
 from hybridflow.backends.k8s.backend import (
     FAILED,
@@ -115,6 +118,9 @@ class GangJobTrigger(BaseTrigger):
                 self.admitted, self.admitted_at = True, time.time()
             if gang.phase == SUCCEEDED:
                 yield self._event("success", f"gang {self.name} succeeded", gang.to_dict())
+                return
+            if gang.phase == PREEMPTED:  # checkpointed and moved off to make room: the operator places it again
+                yield self._event("moved", f"gang {self.name} was moved: {gang.message}", gang.to_dict())
                 return
             if gang.phase in (FAILED, MISSING):
                 yield self._event("failed", f"gang {self.name}: {gang.message or gang.phase}", gang.to_dict())
