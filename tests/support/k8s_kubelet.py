@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -110,3 +111,29 @@ class Kubelet:
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+
+@contextmanager
+def h100_pool(scheduler: str, monkeypatch, tmp_path: Path, *, preemption: bool):
+    """A cluster simulator of 2 nodes x 4 H100 (pool ``h100``) behind team queue ``vision`` of 8 GPUs
+    in namespace ``hybridflow``, installed as the kubernetes client, with priority preemption on or
+    off (Volcano's preempt action, Kueue's withinClusterQueue), and a kubelet running the gang
+    worker script. Yields (sim, kubelet, script)."""
+    from tests.support.gang_worker import WORKER
+    from tests.support.k8s_sim import SimCluster, install
+
+    sim = SimCluster({f"h100-{i}": {"gpus": 4, "labels": {"hybridflow.io/pool": "h100"}} for i in (1, 2)})
+    if scheduler == "volcano":
+        sim.add_volcano_queue("vision")
+        if preemption:
+            sim.volcano_actions.append("preempt")
+    else:
+        sim.add_kueue_queues("gpus", 8, ["hybridflow/vision"], **({"preemption": "LowerPriority"} if preemption else {}))
+    install(monkeypatch, sim)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    kubelet = Kubelet(sim, tmp_path)
+    try:
+        yield sim, kubelet, script
+    finally:
+        kubelet.stop()

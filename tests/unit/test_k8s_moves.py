@@ -10,10 +10,8 @@ import sys
 import time
 
 import pytest
-from tests.support.gang_worker import WORKER
 from tests.support.k8s_config import private_h100_cluster
-from tests.support.k8s_kubelet import Kubelet
-from tests.support.k8s_sim import SimCluster, install
+from tests.support.k8s_kubelet import h100_pool
 from tests.support.k8s_sim_queues import workload_of
 
 from hybridflow.backends.base import PREEMPTED, RUNNING
@@ -28,19 +26,8 @@ NS = "hybridflow"
 @pytest.fixture(params=["volcano", "kueue"])
 def cluster(request, monkeypatch, tmp_path):
     """2 nodes x 4 H100 behind one team queue of 8 GPUs; no priority preemption."""
-    sim = SimCluster({f"h100-{i}": {"gpus": 4, "labels": {"hybridflow.io/pool": "h100"}} for i in (1, 2)})
-    if request.param == "volcano":
-        sim.add_volcano_queue("vision")
-    else:
-        sim.add_kueue_queues("gpus", 8, [f"{NS}/vision"])
-    install(monkeypatch, sim)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    kubelet = Kubelet(sim, tmp_path)
-    try:
+    with h100_pool(request.param, monkeypatch, tmp_path, preemption=False) as (sim, kubelet, script):
         yield request.param, sim, kubelet, script
-    finally:
-        kubelet.stop()
 
 
 def _gang(run_id: str, workers: int, work_dir, *, movable: bool = False, private_only: bool = False) -> GangJob:
