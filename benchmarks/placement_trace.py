@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_replay, also when loaded by path
 
+from replay_clairvoyant import clairvoyant_cost  # noqa: E402
 from replay_ours import ours  # noqa: E402
 from trace_replay import (  # noqa: E402
     DEFAULT_NODES,
@@ -178,6 +179,7 @@ class Report:
     rows: list[dict]
     targets: list[dict]
     jobs: list[Job]
+    clairvoyant_x: float | None = None  # replay_clairvoyant's cost over the greedy's
 
 
 def _share(text: str) -> float:
@@ -217,6 +219,7 @@ def spread(argv: list[str], seeds: list[int]) -> list[dict]:
             "cost_x": ours_row["total_with_gave_up_usd"] / greedy_row["total_with_gave_up_usd"],
             "gave_up": ours_row["gave_up"], "gave_up_bound": bound_row["gave_up"],
             "moves": ours_row["moves"], "lost_gpu_hours": ours_row["lost_gpu_hours"],
+            "clairvoyant_x": report.clairvoyant_x,
             "met": all(g["met"] for g in report.targets), "missed": [g["target"] for g in report.targets if not g["met"]],
         })
     return rows
@@ -224,12 +227,13 @@ def spread(argv: list[str], seeds: list[int]) -> list[dict]:
 
 def spread_table(rows: list[dict]) -> str:
     lines = ["| seed | violations | restricted* mean wait s (lower bound) | vs lower bound | unrestricted mean wait s "
-             "| cost vs greedy | gave up (lower bound) | moves | GPU-hours done again | targets |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| cost vs greedy | clairvoyant vs greedy | gave up (lower bound) | moves | GPU-hours done again | targets |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         x = "-" if r["restricted_x"] is None else f"{r['restricted_x']:.2f}x"
         lines.append(f"| {r['seed']} | {r['violations']} | {r['restricted_s']:,.0f} ({r['lower_bound_s']:,.0f}) | {x} "
-                     f"| {r['unrestricted_s']:,.1f} | {r['cost_x']:.2f}x | {r['gave_up']} ({r['gave_up_bound']}) "
+                     f"| {r['unrestricted_s']:,.1f} | {r['cost_x']:.2f}x | {r['clairvoyant_x']:.2f}x "
+                     f"| {r['gave_up']} ({r['gave_up_bound']}) "
                      f"| {r['moves']} | {r['lost_gpu_hours']:,.1f} | "
                      f"{'all met' if r['met'] else 'missed: ' + ', '.join(r['missed'])} |")
     known = [r["restricted_x"] for r in rows if r["restricted_x"] is not None]
@@ -237,7 +241,9 @@ def spread_table(rows: list[dict]) -> str:
     lines.append(f"spread over {len(rows)} seeds: restricted* {min(known, default=0):.2f}x..{max(known, default=0):.2f}x "
                  f"of the lower bound (median {statistics.median(known) if known else 0:.2f}x), cost "
                  f"{min(costs):.2f}x..{max(costs):.2f}x greedy (median {statistics.median(costs):.2f}x); every "
-                 f"target met on {sum(r['met'] for r in rows)} of {len(rows)} seeds")
+                 f"target met on {sum(r['met'] for r in rows)} of {len(rows)} seeds; the clairvoyant reference "
+                 f"costs {statistics.median(r['clairvoyant_x'] for r in rows):.2f}x greedy (median) and is within "
+                 f"1.1x on {sum(r['clairvoyant_x'] <= 1.1 for r in rows)} of {len(rows)}")
     return "\n".join(lines)
 
 
@@ -346,12 +352,16 @@ def main(argv: list[str] | None = None) -> Report:
     print("| target | goal | measured | status |\n|---|---|---|---|")
     for g in goals:
         print(f"| {g['target']} | {g['goal']} | {g['measured']} | {'PASS' if g['met'] else 'MISS'} |")
+    clairvoyant_x = clairvoyant_cost(jobs, results[5], onprem=args.onprem_usd, on_demand=on_demand,
+                                     spot=spot) / greedy_row["total_with_gave_up_usd"]
+    print(f"clairvoyant reference (knows every arrival and run time; restricted* at the lower bound, unrestricted "
+          f"never waits; replay_clairvoyant): {clairvoyant_x:.2f}x greedy's cost")
     print(f"replay took {seconds:.1f} s")
     if args.spread:
         rest = [a for a in (sys.argv[1:] if argv is None else argv)]
         rest = _without(rest, ("--spread", "--seed"))
         print(spread_table(spread(rest, args.spread)))
-    return Report(rows, goals, jobs)
+    return Report(rows, goals, jobs, clairvoyant_x)
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:

@@ -252,3 +252,25 @@ def test_the_spread_replays_each_seed_and_says_which_targets_each_met(tmp_path: 
     assert [line.split("|")[1].strip() for line in table[2:5]] == ["1", "2", "3"]
     assert "spread over 3 seeds: restricted*" in printed and "every target met on" in printed
 
+
+
+def test_the_clairvoyant_reference_packs_unrestricted_runs_into_the_gpus_restricted_runs_leave_idle() -> None:
+    """4 GPUs: a restricted run holds them all for the first hour. A run that cannot be interrupted
+    arriving then goes on-demand; one arriving in the second hour takes 2 of them; an interruptible
+    run of 4 in the second hour gets the 2 left and runs the rest on spot. Owned GPUs cost from the
+    first arrival to the last finish."""
+    from replay_clairvoyant import clairvoyant_cost
+    from trace_replay import Job, bound_alone
+
+    jobs = [Job("bound", 4, 0, 3600, "normal", restricted=True, interruptible=False),
+            Job("early", 2, 0, 1800, "normal", restricted=False, interruptible=False),
+            Job("later", 2, 3600, 3600, "normal", restricted=False, interruptible=False),
+            Job("movable", 4, 3600, 3600, "normal", restricted=False, interruptible=True)]
+    lower_bound = bound_alone(jobs, 4, None)
+    cost = clairvoyant_cost(jobs, lower_bound, onprem=1.0, on_demand=3.0, spot=0.5)
+    # 4 GPUs x 2 h owned + 2 GPUs x 0.5 h on-demand + 2 GPUs x 1 h on spot
+    assert cost == pytest.approx(8.0 + 3.0 + 1.0)
+    # Were the restricted run not there, everything would fit the owned GPUs but the interruptible
+    # run's 2 GPUs in the second hour.
+    alone = bound_alone(jobs[1:], 4, None)
+    assert clairvoyant_cost(jobs[1:], alone, onprem=1.0, on_demand=3.0, spot=0.5) == pytest.approx(8.0 + 1.0)
