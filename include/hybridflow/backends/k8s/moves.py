@@ -120,30 +120,33 @@ def _abort_command(job: Mapping, reason: str) -> dict:
 
 
 def running_movable(backend: Any) -> list[tuple[str, int, str]]:
-    """The cluster's running gangs labelled movable: (name, GPUs, when created), newest first."""
-    names = backend.find_gangs({"movable": "true"})
+    """The cluster's running gangs labelled movable and not being moved already: (name, GPUs, when
+    created), newest first."""
     out = []
-    for name in names:
-        if backend.status(name).phase != RUNNING:
+    for name in backend.find_gangs({"movable": "true"}):
+        gpus, created, moving = _job_facts(backend, name)
+        if moving or backend.status(name).phase != RUNNING:
             continue  # waiting, restarting or already being moved: nothing it holds would come free now
-        gpus, created = _gpus_and_created(backend, name)
         out.append((name, gpus, created))
     return sorted(out, key=lambda g: g[2], reverse=True)
 
 
-def _gpus_and_created(backend: Any, name: str) -> tuple[int, str]:
+def _job_facts(backend: Any, name: str) -> tuple[int, str, bool]:
+    """The gang job's GPUs, creation time and whether it is being moved already."""
     kw = {"name": name, "namespace": backend.namespace, "_request_timeout": backend.read_timeout_s}
     if backend.scheduler == "volcano":
         job = backend.hook.custom_object_client.get_namespaced_custom_object(
             group=VOLCANO_GROUP, version=VOLCANO_VERSION, plural=VOLCANO_PLURAL, **kw)
         gpus = sum(int(t.get("replicas") or 0) * pod_gpus(t.get("template") or {})
                    for t in job["spec"].get("tasks") or [])
-        return gpus, job["metadata"].get("creationTimestamp") or ""
+        meta = job["metadata"]
+        return gpus, meta.get("creationTimestamp") or "", moved_reason(meta.get("annotations")) is not None
     job = backend.hook.batch_v1_client.read_namespaced_job(**kw)
     per_pod = sum(quantity(((c.resources.limits if c.resources else None) or {}).get(GPU_RESOURCE))
                   for c in job.spec.template.spec.containers or [])
     created = job.metadata.creation_timestamp
-    return int(job.spec.parallelism or 0) * per_pod, created.isoformat() if created else ""
+    return (int(job.spec.parallelism or 0) * per_pod, created.isoformat() if created else "",
+            moved_reason(job.metadata.annotations) is not None)
 
 
 def make_room(backend: Any, name: str, load: ClusterLoad, log: Callable[[str], None] = print) -> list[str]:
