@@ -32,11 +32,11 @@ from hybridflow.backends.k8s.manifests import (
     VOLCANO_PLURAL,
     VOLCANO_VERSION,
 )
+from hybridflow.backends.k8s.pods import JOB_UID_LABEL
 
 MOVED_REASON = "hybridflow.io/moved-reason"
 MOVED = "moved"  # GangStatus.cause of a gang moved off to make room
 BUS_GROUP, BUS_VERSION, BUS_PLURAL = "bus.volcano.sh", "v1alpha1", "commands"
-_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label on a Job's Workload
 _MERGE = "application/merge-patch+json"
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def move(backend: Any, name: str, reason: str) -> bool:
             return False
         raise
     workloads = [] if volcano else custom.list_namespaced_custom_object(
-        group=KUEUE_GROUP, version=KUEUE_VERSION, plural="workloads", label_selector=f"{_JOB_UID}={job.metadata.uid}",
+        group=KUEUE_GROUP, version=KUEUE_VERSION, plural="workloads", label_selector=f"{JOB_UID_LABEL}={job.metadata.uid}",
         **kw).get("items") or []
     if not volcano and not workloads:
         return False  # not (yet) Kueue's: nothing would stop it

@@ -26,7 +26,7 @@ from hybridflow.backends.k8s.manifests import CONTAINER, GANG_LABEL, PREEMPTED_E
 
 _INDEX = "batch.kubernetes.io/job-completion-index"
 _VOLCANO_INDEX, _VOLCANO_TASK = "volcano.sh/task-index", "volcano.sh/task-spec"
-_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label on a Job's Workload
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # Kueue's label on a Job's Workload
 # Evictions that end the workload rather than restart the gang (spec.active set false).
 _NOT_RESTARTS = frozenset({"InactiveWorkload", "Deactivated"})
 
@@ -97,7 +97,7 @@ def kueue_evictions(hook: Any, namespace: str, job_uid: str | None, *, timeout: 
     try:
         listing = hook.custom_object_client.list_namespaced_custom_object(
             group=KUEUE_GROUP, version=KUEUE_VERSION, namespace=namespace, plural="workloads",
-            label_selector=f"{_JOB_UID}={job_uid}", _request_timeout=timeout)
+            label_selector=f"{JOB_UID_LABEL}={job_uid}", _request_timeout=timeout)
     except Exception as exc:
         if getattr(exc, "status", None) in (403, 404):
             return Evictions()
