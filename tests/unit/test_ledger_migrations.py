@@ -21,7 +21,7 @@ AT = datetime(2026, 12, 20, 3, 0, tzinfo=UTC)
 BUDGET_TABLES = {"budget_state", "budget_notification"}
 LEDGER_TABLES = {"run", "attempt", "gpu_sample", "price", "allocation", "idle_allocation"}
 WAIT_TABLES = {"queue_waits"}  # 0003
-HEAD = "0007"
+HEAD = "0008"
 # Not the ledger tests' schema: these tests start each database empty and must not drop theirs.
 PG_SCHEMA = "hybridflow_ledger_migration_test"
 

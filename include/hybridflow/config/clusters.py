@@ -105,6 +105,10 @@ class Cluster(_Model):
     nccl_socket_ifname: str | None = None
     node_pools: list[NodePool] = Field(min_length=1)
     prices: dict[PricingClass, Annotated[float, Field(ge=0)]]
+    # USD per GiB held for a month in the cluster's cache (or DR store), and per GiB transferred to or
+    # from it (staged into it, replicated into it, served out of it): the project quotas' cost.
+    storage_usd_per_gib_month: float = Field(default=0.0, ge=0)
+    egress_usd_per_gib: float = Field(default=0.0, ge=0)
     cache: CacheConfig | None = None
     # The latest checkpoints are kept in two places: the worker commits to checkpoint_store first,
     # then replicates to checkpoint_replica (default: private storage, or scratch if the primary is

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, field_validator
 
 from hybridflow.config.base import _Model
 
@@ -23,6 +25,26 @@ class Team(_Model):
 class Project(_Model):
     team: str = Field(min_length=1)
     max_workers: int = Field(ge=1)
+    # Quotas (None: no quota), in GiB: the bytes the project holds in the cloud caches and the DR
+    # store, and the bytes staged, replicated and served out per calendar month (UTC); admission
+    # refuses a run whose staging would pass either (hybridflow.budgets.quotas).
+    storage_gib: float | None = None
+    transfer_gib_per_month: float | None = None
+
+    @field_validator("storage_gib", "transfer_gib_per_month", mode="before")
+    @classmethod
+    def _gib(cls, value: Any, info) -> Any:
+        # Checked before pydantic's own coercion, which would take the string "500" and say nothing
+        # about the unit for "500GB".
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{info.field_name} is a number of GiB without a unit, e.g. {info.field_name}: 500; "
+                             "remove the unit (1 TiB is 1024)")
+        if value <= 0:
+            raise ValueError(f"{info.field_name} is a number of GiB greater than 0, e.g. {info.field_name}: 500; "
+                             "remove the key for no quota")
+        return float(value)
 
 
 class ProjectsFile(_Model):

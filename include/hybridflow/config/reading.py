@@ -81,7 +81,8 @@ def _describe(path: Path, model: type[BaseModel], err: dict[str, Any]) -> str:
     value = err.get("input")
     shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
     fix = "rename the key" if loc and loc[-1] == "[key]" else f"change the value in {path.name}"
-    return f"{where}: {err['msg']}{shown}; {fix}"
+    # A validator's own message already says what to do; pydantic's "Value error, " adds nothing.
+    return f"{where}: {err['msg'].removeprefix('Value error, ')}{shown}; {fix}"
 
 
 def _allowed_keys(model: Any, loc: tuple[Any, ...]) -> list[str]:

@@ -1,14 +1,15 @@
 """The ledger's tables: what ran (runs, attempts), what the GPUs did (samples), what it cost (prices,
 allocations), how long gangs waited for admission (queue_waits), what the resource reaper released
 (reaper_sweep, reaper_release), what served (serving_sample) and what serving cost
-(inference_allocation, migration 0005). Budget state lives in the same database, in
+(inference_allocation, migration 0005), the bytes each project moved and holds (transfer,
+quota_usage, quota_notification, migration 0008). Budget state lives in the same database, in
 hybridflow.ledger.budget_tables (created by migration 0002)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, DateTime, Float, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -284,3 +285,53 @@ class DrillRow(Base):
     missed: Mapped[str | None] = mapped_column(Text)  # JSON list of the steps that missed, each named
     report: Mapped[str] = mapped_column(Text)  # the drill's whole report (JSON), as in private storage
     recorded_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class TransferRow(Base):
+    """Bytes one project moved on one UTC day (hybridflow.ledger.transfers): a dataset staged into a
+    cluster's cache, a set replicated into a DR store, a version served out. ``key`` names the
+    transfer (e.g. the run, cluster and version staged), so a re-run task records it once."""
+
+    __tablename__ = "transfer"
+    __table_args__ = (Index("ix_transfer_project_day", "project", "day"),)
+
+    key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)  # ISO date, UTC
+    project: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))  # staging | replication | serving
+    cluster: Mapped[str] = mapped_column(String(128))  # whose cache or store the bytes went to or left
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    run_key: Mapped[str | None] = mapped_column(String(255))
+    what: Mapped[str | None] = mapped_column(String(512))  # e.g. "dataset digits version 1a2b..."
+    recorded_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC
+
+
+class QuotaUsageRow(Base):
+    """One project's bytes held and moved as the nightly job counted them for a day, with its quotas
+    and the day's cost (hybridflow.budgets.quota_nightly). A day counted again is replaced."""
+
+    __tablename__ = "quota_usage"
+
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # ISO date, UTC
+    project: Mapped[str] = mapped_column(String(128), primary_key=True)
+    storage_bytes: Mapped[int] = mapped_column(BigInteger)
+    transfer_bytes_day: Mapped[int] = mapped_column(BigInteger)
+    transfer_bytes_month: Mapped[int] = mapped_column(BigInteger)  # the calendar month up to this day
+    storage_quota_gib: Mapped[float | None] = mapped_column(Float)
+    transfer_quota_gib: Mapped[float | None] = mapped_column(Float)
+    storage_usd: Mapped[float] = mapped_column(Float)  # the day's share of a month's storage price
+    transfer_usd: Mapped[float] = mapped_column(Float)  # the day's transferred bytes x egress price
+
+
+class QuotaNotificationRow(Base):
+    """A quota threshold's notification, sent once per project, month, quota and share."""
+
+    __tablename__ = "quota_notification"
+
+    project: Mapped[str] = mapped_column(String(128), primary_key=True)
+    period: Mapped[str] = mapped_column(String(7), primary_key=True)  # YYYY-MM
+    quota: Mapped[str] = mapped_column(String(32), primary_key=True)  # storage_gib | transfer_gib_per_month
+    threshold: Mapped[float] = mapped_column(Float, primary_key=True)
+    usage_bytes: Mapped[int] = mapped_column(BigInteger)
+    quota_gib: Mapped[float] = mapped_column(Float)
+    sent_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC
