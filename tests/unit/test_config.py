@@ -247,6 +247,15 @@ BROKEN += [
      ["serving.kubernetes.node_pool: required key is missing", "serving.kubernetes.models_dir"]),
     ("pipeline.yaml", _set(["serving", "target"], "kserv"), ["serving.target", "'kserv'", "kubernetes, local"]),
     ("pipeline.yaml", _set(["serving", "target"], "kubernetes"), ["serving.target", "needs serving.kubernetes"]),
+    # Bandwidth caps carry their unit, and a cap of 0 would stop every upload.
+    ("pipeline.yaml", _set(["bandwidth"], {"endpoints": {"http://10.0.0.5:9000": 200}}),
+     ["bandwidth.endpoints.http://10.0.0.5:9000", "has no unit", "'200 MB/s'"]),
+    ("pipeline.yaml", _set(["bandwidth"], {"default": "200 MBs"}), ["bandwidth.default", "'200 MBs' is not a byte rate"]),
+    ("pipeline.yaml", _set(["bandwidth"], {"default": "0 MB/s"}), ["bandwidth.default", "a cap of 0", "remove the key"]),
+    ("clusters.yaml", _set(["clusters", "cloud-east", "upload_cap"], "-5 MB/s"),
+     ["clusters.cloud-east.upload_cap", "'-5 MB/s' is not a byte rate"]),
+    ("clusters.yaml", _set(["clusters", "cloud-east", "upload_cap"], "100 Mb/s"),
+     ["clusters.cloud-east.upload_cap", "Mbit/s"]),
 ]
 
 

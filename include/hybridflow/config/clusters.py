@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from hybridflow.config.base import _Model
+from hybridflow.config.units import Rate
 
 PricingClass = Literal["onprem", "on_demand", "reserved", "spot"]
 # NCCL_SOCKET_IFNAME: interface name prefixes, comma-separated; a leading "^" excludes them, "="
@@ -117,8 +118,12 @@ class Cluster(_Model):
     checkpoint_replica: CheckpointPlace | None = None
     # The cluster's scratch filesystem: absolute, or relative to HYBRIDFLOW_HOME (default scratch/<cluster>).
     scratch_dir: str | None = Field(default=None, min_length=1)
+    # Byte rate all uploads into the cluster's cache bucket share (staging, DR replication, checkpoint
+    # commits; checkpoints first), with its unit: "200 MB/s". None: only pipeline.yaml bandwidth caps.
+    upload_cap: Rate | None = None
 
     _name: str = PrivateAttr(default="")
+    _bandwidth: Any = PrivateAttr(default=None)  # pipeline.yaml bandwidth (BandwidthSettings), set on load
 
     @model_validator(mode="before")
     @classmethod
@@ -151,6 +156,10 @@ class Cluster(_Model):
     @property
     def name(self) -> str:
         return self._name
+
+    def endpoint_cap(self, endpoint: str) -> float | None:
+        """pipeline.yaml's cap on uploads to ``endpoint`` (bytes/s), or None."""
+        return None if self._bandwidth is None else self._bandwidth.cap_of(endpoint)
 
     @property
     def is_private(self) -> bool:

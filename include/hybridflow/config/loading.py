@@ -67,6 +67,7 @@ def _parse(config_dir: Path, clusters_path: Path, projects_path: Path, pipeline_
     pipeline = _validate(PipelineConfig, pipeline_path, allow_empty=True)
     for name, cluster in clusters_file.clusters.items():
         cluster._name = name
+        cluster._bandwidth = pipeline.bandwidth  # its endpoint's upload cap is read from there
 
     problems = _check_clusters(clusters_path, clusters_file, projects_file)
     problems += _check_projects(projects_path, projects_file)

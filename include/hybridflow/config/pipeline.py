@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hybridflow.config.base import _Model
+from hybridflow.config.units import Rate
 
 
 class TrainingSettings(_Model):
@@ -176,6 +177,25 @@ class StagingConfig(_Model):
         return self
 
 
+class BandwidthSettings(_Model):
+    """Byte-rate caps on uploads into object stores (pipeline.yaml ``bandwidth``), which staging,
+    DR replication and checkpoint commits share (checkpoints first); a cluster's own cap on its
+    cache bucket is clusters.yaml ``upload_cap``. Rates carry their unit: "200 MB/s"."""
+
+    # Per endpoint: a cache Connection's endpoint_url, or aws:<region> for AWS's own endpoint.
+    endpoints: dict[str, Rate] = Field(default_factory=dict)
+    # Every endpoint without an entry above (None: no cap).
+    default: Rate | None = None
+
+    def cap_of(self, endpoint: str) -> float | None:
+        """Bytes per second uploads to ``endpoint`` may take, or None."""
+        wanted = endpoint.strip().rstrip("/").lower()
+        for name, rate in self.endpoints.items():
+            if name.strip().rstrip("/").lower() == wanted:
+                return rate
+        return self.default
+
+
 class ReservationSettings(_Model):
     """Private capacity kept for work that may run only on private clusters (hybridflow.placement.reserve)."""
 
@@ -291,5 +311,6 @@ class PipelineConfig(_Model):
     serving: ServingSettings = ServingSettings()
     placement: PlacementSettings = PlacementSettings()
     staging: StagingConfig = StagingConfig()
+    bandwidth: BandwidthSettings = BandwidthSettings()
     metering: MeteringSettings = MeteringSettings()
     reaper: ReaperSettings = ReaperSettings()

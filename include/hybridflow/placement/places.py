@@ -9,10 +9,29 @@ from hybridflow.settings import Settings
 
 
 def cache_store_spec(cluster, prefix: str = ""):
-    """The cluster's cache bucket (under ``prefix``), through its cache connection."""
+    """The cluster's cache bucket (under ``prefix``), through its cache connection, with the
+    bandwidth caps its uploads share: the cluster's ``upload_cap`` and its endpoint's
+    (pipeline.yaml ``bandwidth``)."""
+    import dataclasses
+
     from hybridflow.hooks.object_store import ObjectStoreHook
 
-    return ObjectStoreHook(cluster.cache.conn_id).store_spec(cluster.cache.bucket, prefix)
+    spec = ObjectStoreHook(cluster.cache.conn_id).store_spec(cluster.cache.bucket, prefix)
+    return dataclasses.replace(spec, caps=upload_caps(cluster, spec.endpoint_url, spec.region))
+
+
+def upload_caps(cluster, endpoint_url: str | None, region: str) -> tuple:
+    """The caps on uploads into ``cluster``'s cache bucket at that endpoint (none: no cap)."""
+    from hybridflow.storage.bandwidth import Cap, endpoint_key
+
+    caps = []
+    key = endpoint_key(endpoint_url, region)
+    endpoint_rate = cluster.endpoint_cap(key.removeprefix("endpoint:"))
+    if endpoint_rate is not None:
+        caps.append(Cap(key, endpoint_rate))
+    if cluster.upload_cap is not None:
+        caps.append(Cap(f"cluster:{cluster.name}", cluster.upload_cap))
+    return tuple(caps)
 
 
 def checkpoint_store_spec(run_key: str, cluster, settings: Settings):
@@ -32,7 +51,10 @@ def checkpoint_place_spec(place: str, run_key: str, cluster, settings: Settings)
     from hybridflow.storage.objectstore import StoreSpec
 
     if place == "cache":
-        return cache_store_spec(cluster, f"checkpoints/{run_key}")
+        import dataclasses
+
+        # A checkpoint commit goes before bulk uploads under the same caps (storage.bandwidth).
+        return dataclasses.replace(cache_store_spec(cluster, f"checkpoints/{run_key}"), priority="checkpoint")
     if place == "scratch":
         return StoreSpec(kind="local", root=str(scratch_root(cluster, settings) / "checkpoints" / run_key))
     if place == "private":

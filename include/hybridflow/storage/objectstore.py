@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from hybridflow.storage.bandwidth import Cap
+
 ACCESS_KEY_ENV = "HYBRIDFLOW_STORE_ACCESS_KEY"
 SECRET_KEY_ENV = "HYBRIDFLOW_STORE_SECRET_KEY"
 SESSION_TOKEN_ENV = "HYBRIDFLOW_STORE_SESSION_TOKEN"
@@ -182,9 +184,13 @@ class StoreSpec:
     session_token: str | None = field(default=None, repr=False, compare=False)
     # Returns a new boto3 Session each call; used in this process only (children get the keys).
     session: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    # Byte-rate caps its uploads are under (storage.bandwidth), and whether they are a checkpoint's
+    # (served first) or bulk: serialised, so a gang's worker on any machine keeps to them.
+    caps: tuple[Cap, ...] = ()
+    priority: str = "bulk"
 
-    def to_dict(self) -> dict[str, str | None]:
-        return {
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "kind": self.kind,
             "root": self.root,
             "bucket": self.bucket,
@@ -192,6 +198,10 @@ class StoreSpec:
             "endpoint_url": self.endpoint_url,
             "region": self.region,
         }
+        if self.caps:  # only then: a spec without caps reads as it always has
+            out["caps"] = [{"key": c.key, "bytes_per_s": c.bytes_per_s} for c in self.caps]
+            out["priority"] = self.priority
+        return out
 
     @classmethod
     def from_dict(cls, data: dict, *, environ: dict[str, str] | None = None) -> StoreSpec:
@@ -206,6 +216,8 @@ class StoreSpec:
             access_key=env.get(ACCESS_KEY_ENV),
             secret_key=env.get(SECRET_KEY_ENV),
             session_token=env.get(SESSION_TOKEN_ENV),
+            caps=tuple(Cap(c["key"], float(c["bytes_per_s"])) for c in data.get("caps") or ()),
+            priority=data.get("priority") or "bulk",
         )
 
     def credential_env(self) -> dict[str, str]:

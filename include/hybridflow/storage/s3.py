@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridflow.storage.bandwidth import Cap, Throttle, body_length
 from hybridflow.storage.objectstore import ObjectInfo, PagedListing, PartReceipt, StoreSpec, VerifiedPut
 from hybridflow.storage.s3_checks import (
     NOT_SUPPORTED,
@@ -91,6 +92,8 @@ class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
         max_pool_connections: int = 32,
         content_md5: bool = False,
         crt: bool = True,
+        caps: tuple[Cap, ...] = (),
+        priority: str = "bulk",
     ) -> None:
         if not bucket:
             raise ValueError("S3ObjectStore needs a bucket name")
@@ -128,6 +131,9 @@ class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
         # Told (operation, method, Content-Length) of every request sent through the CRT, which
         # botocore's event hooks do not see.
         self.crt_observers: list[Any] = []
+        # Every byte this store sends waits for its caps (storage.bandwidth); None: no cap, no cost.
+        self._caps, self._priority = tuple(caps), priority
+        self.throttle: Throttle | None = Throttle(caps, priority=priority) if caps else None
 
     @classmethod
     def from_spec(cls, spec: StoreSpec, **kwargs: Any) -> S3ObjectStore:
@@ -144,6 +150,8 @@ class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
             secret_key=spec.secret_key,
             session_token=spec.session_token,
             session=spec.session,
+            caps=spec.caps,
+            priority=spec.priority,
             **kwargs,
         )
 
@@ -159,6 +167,8 @@ class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
             secret_key=self._secret_key,
             session_token=self._session_token,
             session=self._session_factory,
+            caps=self._caps,
+            priority=self._priority,
         )
 
     @property
@@ -361,8 +371,9 @@ class S3ObjectStore(S3Multipart, S3NativeUploads, VerifiedPut, PagedListing):
             kwargs["ChecksumCRC32C"] = crc32c_b64(data)
         if self.content_md5:
             kwargs["ContentMD5"] = b64(md5)
+        body = data if self.throttle is None else self.throttle.body(data, body_length(data))
         response = self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data, **kwargs, **self._extra_args(metadata)
+            Bucket=self.bucket, Key=self._key(key), Body=body, **kwargs, **self._extra_args(metadata)
         )
         etag = clean_etag(response.get("ETag")) or ""
         if not self.content_md5 and not is_md5_etag(etag):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.storage.bandwidth import body_length
 from hybridflow.storage.objectstore import MultipartUploads, PartReceipt
 from hybridflow.storage.s3_checks import b64, check_etag, clean_etag, crc32c_b64, error_code, is_md5_etag
 
@@ -20,6 +21,7 @@ class S3Multipart(MultipartUploads):
     prefix: str
     content_md5: bool
     _part_checksums: bool | None
+    throttle: Any  # storage.bandwidth.Throttle, or None
 
     def start_multipart(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
         from botocore.exceptions import ClientError
@@ -48,8 +50,9 @@ class S3Multipart(MultipartUploads):
             kwargs["ContentMD5"] = b64(md5)
         if hasattr(data, "seek"):
             data.seek(0)
+        body = data if self.throttle is None else self.throttle.body(data, body_length(data))
         response = self.client.upload_part(
-            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number, Body=data, **kwargs
+            Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number, Body=body, **kwargs
         )
         etag = clean_etag(response.get("ETag")) or ""
         if not self.content_md5 and not is_md5_etag(etag):

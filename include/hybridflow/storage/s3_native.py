@@ -20,6 +20,7 @@ class S3NativeUploads(NativeFilePut):
     region: str
     content_md5: bool
     crt_observers: list[Any]
+    throttle: Any  # storage.bandwidth.Throttle, or None
     _crt_wanted: bool
     _crt: Any
     _boto_session: Any
@@ -71,7 +72,9 @@ class S3NativeUploads(NativeFilePut):
         cannot (see :meth:`crt_putter`): use ``put_verified``. ``done(etag, error)`` is called
         once from a CRT thread; ``error`` is a ValueError when the ETag contradicts ``md5``, and
         :class:`ResendVerified` when the store's ETags turn out not to be MD5s."""
-        putter = self.crt_putter()
+        # The CRT reads the file itself, so its bytes could not wait for a cap: capped stores send
+        # through botocore.
+        putter = None if self.throttle is not None else self.crt_putter()
         if putter is None:
             return False
         for observe in self.crt_observers:

@@ -71,6 +71,7 @@ class Uploader:
         return (
             self.settings.crt and item.path is not None and item.build is None and item.digest is None
             and bool(item.md5) and not self.is_big(item) and isinstance(self.store, NativeFilePut)
+            and getattr(self.store, "throttle", None) is None  # the CRT's reads cannot wait for a cap
         )
 
     def can_go_whole(self, item: UploadItem) -> bool:
