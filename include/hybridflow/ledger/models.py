@@ -302,7 +302,9 @@ class TransferRow(Base):
     cluster: Mapped[str] = mapped_column(String(128))  # whose cache or store the bytes went to or left
     bytes: Mapped[int] = mapped_column(BigInteger)
     run_key: Mapped[str | None] = mapped_column(String(255))
-    what: Mapped[str | None] = mapped_column(String(512))  # e.g. "dataset digits version 1a2b..."
+    # What moved: a dataset's version; an endpoint's model version or a run's checkpoint step (dataset None).
+    dataset: Mapped[str | None] = mapped_column(String(255))
+    version: Mapped[str | None] = mapped_column(String(255))
     recorded_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC
 
 

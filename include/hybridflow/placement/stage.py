@@ -56,6 +56,7 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
     )
     rundata.check_staged(version, read_manifest(target, result.manifest_key), entry.name)
     rundata.write_staging(settings.private_root, run["run_key"], result.to_xcom())
+    record_staged(run["run_key"], admitted.project, cluster.name, result)
     return {
         "source": {"kind": "manifest", "store": spec.to_dict(), "manifest_key": result.manifest_key},
         "staged": True,
@@ -63,3 +64,19 @@ def stage_data(run: Mapping[str, Any], placement: Mapping[str, Any], settings: S
         "staging": result.to_xcom(),
         "seconds": round(time.monotonic() - started, 3),
     }
+
+
+def record_staged(run_key: str, project: str, cluster: str, result) -> None:
+    """The bytes this stage sent, in the ledger for the project's transfer quota. Recorded with 0 bytes
+    too: the row ties the version in the cache to the project (its storage quota). Keyed by run,
+    cluster and version, so a cleared stage task is not counted again."""
+    from datetime import UTC, datetime
+
+    from hybridflow.ledger.engine import default_engine
+    from hybridflow.ledger.transfers import Transfer, record_transfer
+
+    record_transfer(default_engine(), Transfer(
+        key=f"staging/{cluster}/{result.dataset}/{result.version}/{run_key}", day=datetime.now(UTC).date(),
+        project=project, kind="staging", cluster=cluster, bytes=result.bytes_copied, run_key=run_key,
+        dataset=result.dataset, version=result.version,
+    ))

@@ -62,9 +62,12 @@ def configured_scope(cluster, settings, log: Any = logger, estate=None) -> tuple
 
 def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
     """Replicate to every DR cluster and check what each needs for a takeover."""
+    from datetime import UTC, datetime
+
     from hybridflow.dr.replication.readiness import check_readiness
     from hybridflow.dr.replication.replicate import replicate
     from hybridflow.dr.replication.scope import dr_clusters
+    from hybridflow.dr.replication.usage import record_replicated
 
     estate, settings = _estate()
     clusters = dr_clusters(estate)
@@ -82,6 +85,7 @@ def replication_task(*, lookup=None, log: Any = logger) -> dict[str, Any]:
             continue  # its store cannot be opened; the other DR clusters still get their copy
         endpoints, datasets = configured_scope(cluster, settings, log, estate)
         report = replicate(estate, settings, cluster=cluster.name, endpoints=endpoints, datasets=datasets, log=log)
+        record_replicated(report, settings.private_root, datetime.now(UTC).date())  # the transfer quotas' bytes
         trouble += [f"{cluster.name}: {p}" for p in report.all_problems]
         out.append({**report.to_dict(), "readiness": [m.to_dict() for m in missing]})
     _fail_with(trouble, "the DR side is not wholly ready (everything else was replicated)")

@@ -25,7 +25,8 @@ def upgrade() -> None:
     sa.Column('cluster', sa.String(length=128), nullable=False),
     sa.Column('bytes', sa.BigInteger(), nullable=False),
     sa.Column('run_key', sa.String(length=255), nullable=True),
-    sa.Column('what', sa.String(length=512), nullable=True),
+    sa.Column('dataset', sa.String(length=255), nullable=True),
+    sa.Column('version', sa.String(length=255), nullable=True),
     sa.Column('recorded_at', sa.DateTime(), nullable=False),
     sa.PrimaryKeyConstraint('key')
     )
