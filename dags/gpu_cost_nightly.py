@@ -12,6 +12,10 @@ model version.
 First, run records in private storage that the ledger does not hold yet (written before it, or while
 it was unreachable) are ingested (`hybridflow ledger sync` does the same by hand).
 
+Last, each project's bytes held in the cloud caches and DR stores and moved this month are counted
+against its `storage_gib` and `transfer_gib_per_month` quotas (projects.yaml) and priced (the
+`quota_usage` table; notifications at 80 % and 100 %; docs/costs.md).
+
 Output: the `allocation`, `idle_allocation` and `inference_allocation` tables of the ledger, CSV/Parquet
 files (`inference.csv/.parquet` among them) and an HTML report
 under `private/reports/allocation/<day>/` (*Browse → GPU costs & budgets*). Each run emits the
@@ -73,7 +77,16 @@ def gpu_cost_nightly():
         context["outlet_events"][allocations].extra = {"day": summary["day"]}
         return summary
 
-    sync_records() >> allocate()
+    @task
+    def count_quota_usage(params=None) -> dict:
+        """Each project's bytes held and moved against its storage and transfer quotas, priced."""
+        from hybridflow.budgets.quota_nightly import quota_usage_for_run
+
+        context = get_current_context()
+        return quota_usage_for_run((params or {}).get("day"), context.get("data_interval_start"),
+                                   context.get("logical_date"), context["dag_run"].run_after)
+
+    sync_records() >> allocate() >> count_quota_usage()
 
 
 gpu_cost_nightly()

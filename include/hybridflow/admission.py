@@ -4,7 +4,9 @@
 the data's classification from the catalogue (a Param may raise it, never lower it), imports the
 model's entry points, checks the expectation suites and compares the data's header with the
 schema, then probes the Connections of the Kubernetes clusters the run may be placed on
-(:mod:`hybridflow.conncheck`). It writes nothing, so a refused run leaves no trace to clean up.
+(:mod:`hybridflow.conncheck`), and refuses a run whose staging would take its project past a
+storage or transfer quota (:mod:`hybridflow.budgets.quotas`). It writes nothing, so a refused run
+leaves no trace to clean up.
 Every refusal is an :class:`AdmissionError` naming the Param (or catalogue or cluster key) at fault
 and what to change.
 """
@@ -18,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hybridflow.budgets.enforce import refuse_if_frozen
+from hybridflow.budgets.quotas import refuse_over_quota
 from hybridflow.config import Estate
 from hybridflow.config.catalogue import CLASSIFICATIONS, rank
 from hybridflow.errors import AdmissionError
@@ -95,10 +98,11 @@ def admit(
         )
     _check_team_cap(req, project.team, estate, team_usage)
     _check_price_ceiling(req, estate)
-    from hybridflow.datacheck import check_dataset, check_entrypoints
+    from hybridflow.datacheck import check_dataset, check_entrypoints, dataset_bytes
 
     location = check_dataset(entry, private_root, file_roots)
     check_entrypoints(model)
+    refuse_over_quota(req, estate, lambda: dataset_bytes(entry, private_root, file_roots))
     admitted = AdmittedRun(**req.model_dump(), team=project.team, dataset_location=location)
     from hybridflow.conncheck import check_connections
 

@@ -60,6 +60,17 @@ def check_dataset(entry: DatasetEntry, private_root: Path, file_roots: Sequence[
     return location.uri if location.path is None else location.path.as_uri()
 
 
+def dataset_bytes(entry: DatasetEntry, private_root: Path, file_roots: Sequence[Path]) -> int:
+    """Bytes of every file of the dataset where it lives: at most what staging it would copy."""
+    location = locate(entry, private_root, file_roots)
+    store = None
+    if not location.is_folder:
+        from hybridflow.storage.objectstore import open_store
+
+        store = open_store(location.store_spec())
+    return sum(size for _, size in list_relative(location, store))
+
+
 def check_entrypoints(model: ModelEntry) -> None:
     """Both entry points import here and take one argument (train(ctx), build(hparams))."""
     for key, argument in (("entrypoint", "ctx"), ("build", "hparams")):

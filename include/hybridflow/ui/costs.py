@@ -1,5 +1,6 @@
 """GPU costs and budgets in the Airflow UI: the latest nightly allocation report, each project's
-budget state for the month (spend, share, notifications sent, frozen and why, how to lift it), the
+budget state for the month (spend, share, notifications sent, frozen and why, how to lift it), its
+storage and transfer usage against its quotas (:mod:`hybridflow.ui.quotas`), the
 inference cost per project and model version of the latest allocated day, and per DAG run the cost
 of that run and the state of its project's budget.
 
@@ -135,10 +136,13 @@ def render_budgets(rows: list[dict[str, Any]], period: str) -> str:
 
 def render_costs(rows: list[dict[str, Any]], period: str, report: tuple[str, Path] | None, ledger_note: str,
                  *, base: str = URL_PREFIX, heading: str = "GPU costs &amp; budgets",
-                 inference: list[dict[str, Any]] | None = None) -> str:
+                 inference: list[dict[str, Any]] | None = None, quotas: list[dict[str, Any]] | None = None) -> str:
+    from hybridflow.ui.quotas import render_quotas
+
     parts = [f"<h1>{heading}</h1><h2>Budgets for {escape(period)}</h2>", render_budgets(rows, period)]
     if ledger_note:
         parts.append(f"<p class='muted'>{escape(ledger_note)}</p>")
+    parts.append(f"<h2>Storage and transfer quotas, {escape(period)}</h2>" + render_quotas(quotas or [], period))
     if report:
         parts.append(f"<h2>Inference cost per project and model version, {escape(report[0])}</h2>"
                      + render_inference(inference or [], report[0]))
@@ -311,6 +315,20 @@ def current_rows(store, config_dir: Path, period: str) -> tuple[list[dict], str]
         return budget_rows(config_dir, None, period), f"The ledger could not be read: {exc.__class__.__name__}: {exc}"
 
 
+def quota_figures(store, config_dir: Path, period: str) -> list[dict[str, Any]]:
+    """Each project's storage and transfer figures for ``period`` (empty without a ledger, or when it
+    cannot be read: the budgets' note on the page says so)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from hybridflow.budgets.quotas import month_figures
+    from hybridflow.config import load_estate
+
+    try:
+        return month_figures(store.engine if store is not None else None, load_estate(config_dir), period)
+    except SQLAlchemyError:
+        return []
+
+
 def add_cost_pages(
     app,
     *,
@@ -346,9 +364,10 @@ def add_cost_pages(
     def costs_page() -> str:
         root, cfg_dir = paths()
         period = period_now()
-        rows, note = current_rows(open_store(), cfg_dir, period)
+        store = open_store()
+        rows, note = current_rows(store, cfg_dir, period)
         report = latest_report(root)
-        return render_costs(rows, period, report, note, base=url_prefix,
+        return render_costs(rows, period, report, note, base=url_prefix, quotas=quota_figures(store, cfg_dir, period),
                             inference=inference_lines_of(root, report[0]) if report else [])
 
     @app.get("/api/costs/budgets", dependencies=overview_access)
