@@ -56,11 +56,12 @@ class Measured:
 class Bench:
     """The endpoint and a scratch folder for one benchmark run; ``with Bench() as b: ...``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, in_memory: bool = True) -> None:
         # In memory where the machine has /dev/shm: the tools are compared, not the disk's
         # write-back (2 GiB of dirty pages from one tool's copy would slow the next tool's).
+        # Datasets larger than memory take the disk (in_memory=False).
         shm = Path("/dev/shm")
-        base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+        base = str(shm) if in_memory and shm.is_dir() and os.access(shm, os.W_OK) else None
         self.root = Path(tempfile.mkdtemp(prefix="hf-bench-", dir=base))
         self.data = self.root / "s3"
         self.server = RcloneS3Server(self.data, ACCESS, SECRET, log_path=self.root / "rclone-serve.log")

@@ -82,11 +82,11 @@ def test_caps_travel_in_the_spec_a_gang_worker_opens() -> None:
 
 def test_a_cluster_s_cache_places_carry_its_caps_and_checkpoints_go_first(tmp_path: Path, monkeypatch) -> None:
     import yaml
+    from tests.unit.test_config import broken_copy
 
     from hybridflow.config import load_estate
     from hybridflow.placement.places import cache_store_spec, checkpoint_place_spec
     from hybridflow.settings import Settings
-    from tests.unit.test_config import broken_copy
 
     def caps(data: dict) -> None:
         data["clusters"]["cloud-east"]["upload_cap"] = "80 MB/s"

@@ -101,19 +101,20 @@ class SharedBucket:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
-_buckets: dict[tuple[str, float], SharedBucket] = {}
+_buckets: dict[tuple[str, float, int], SharedBucket] = {}
 _buckets_lock = threading.Lock()
 
 
 def shared_bucket(cap: Cap, directory: Path | None = None) -> SharedBucket:
-    """This process's handle on ``cap``'s shared state (one per cap and directory)."""
+    """This process's handle on ``cap``'s shared state (one per cap, directory and process: a forked
+    child shares its parent's open file, and flock would not keep the two apart)."""
     directory = directory or bucket_dir()
     name = hashlib.sha256(cap.key.encode()).hexdigest()[:24]
-    path = directory / f"{name}.tat"
+    key = (str(directory / f"{name}.tat"), cap.bytes_per_s, os.getpid())
     with _buckets_lock:
-        bucket = _buckets.get((str(path), cap.bytes_per_s))
+        bucket = _buckets.get(key)
         if bucket is None:
-            bucket = _buckets[(str(path), cap.bytes_per_s)] = SharedBucket(path, cap.bytes_per_s)
+            bucket = _buckets[key] = SharedBucket(directory / f"{name}.tat", cap.bytes_per_s)
         return bucket
 
 
@@ -127,11 +128,13 @@ class Throttle:
         if not self.caps:
             raise ValueError("a Throttle needs at least one cap")
         self.checkpoint = priority == "checkpoint"
-        self._buckets = [shared_bucket(c, directory) for c in self.caps]
+        self._directory = directory or bucket_dir()  # resolved once: where this process was told to look
+        for cap in self.caps:
+            shared_bucket(cap, self._directory)  # a state dir that cannot be written fails here, not mid-upload
 
     def take(self, n: int) -> None:
         """Wait until ``n`` bytes may be sent under every cap."""
-        for bucket in self._buckets:
+        for bucket in (shared_bucket(c, self._directory) for c in self.caps):
             waiting_since = time.monotonic()
             while True:
                 starved = time.monotonic() - waiting_since > STARVE_S
