@@ -249,3 +249,29 @@ def test_a_stage_and_a_replication_pass_are_counted_once_however_often_their_tas
     moved = transferred_bytes(engine, since=date.min, until=date.max)
     assert moved == {"ranking": 5 * GIB + 1500, "diagnosis": 1500}
     assert transferred_bytes(engine, since=date.min, until=date.max, kinds=("staging",)) == {"ranking": 5 * GIB}
+
+
+def test_bytes_the_gateway_served_count_once_for_the_project_that_deployed_the_version(nightly, tmp_path):
+    from hybridflow.budgets.quota_nightly import record_quota_usage, record_served
+    from hybridflow.ledger.engine import default_engine
+    from hybridflow.serving.egress import EgressCounter, served_bytes
+
+    stores, url, _ = nightly
+    serving = tmp_path / "home" / "state" / "serving"
+    evening = datetime(DAY.year, DAY.month, DAY.day, 23, 59, tzinfo=UTC)
+    for _ in range(2):  # a gateway started again adds to what the first one wrote
+        gateway = EgressCounter(serving)
+        gateway.add("digits", "run-r1", 3 * 2**20, when=evening)
+        gateway.add("digits", "run-unknown", 100, when=evening)
+        gateway.flush()
+    assert served_bytes(serving, DAY) == {("digits", "run-r1"): 6 * 2**20, ("digits", "run-unknown"): 200}
+    # The day still being served is left for a later night: a transfer is recorded once.
+    assert record_served(DAY, serving, default_engine(), tmp_path / "home" / "private", today=DAY) == 0
+    for _ in range(2):
+        record_quota_usage(DAY, stores=stores, send=lambda note: None, at=AT)
+    with create_engine(url).connect() as conn:
+        served = conn.execute(text("SELECT project, bytes FROM transfer WHERE kind = 'serving' ORDER BY project")).all()
+        month = conn.execute(text("SELECT transfer_bytes_month FROM quota_usage WHERE project = 'ranking' "
+                                  "AND day = '2026-12-20'")).scalar()
+    assert served == [("ranking", 6 * 2**20), ("unattributed", 200)]
+    assert month == 2 * GIB + 6 * 2**20  # staged and served out, this month

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from hybridflow.bundle import read_card
 from hybridflow.config import ServingSettings
 from hybridflow.errors import DeploymentError
 from hybridflow.serving.deploy import deploy, endpoint_status, stop_endpoint, stop_gateway
+from hybridflow.serving.egress import served_bytes
 from hybridflow.serving.server import InputSchema
 
 # Bars any server meets, short windows, all traffic at once: these tests are about the gateway.
@@ -149,6 +151,7 @@ def test_two_endpoints_deployed_at_once_share_one_gateway(assets, gateway):  # n
     assert (cancer["status"], cancer["rolled_back"], cancer["target"]) == ("deployed", None, "local")
     assert (digits["model"], cancer["model"], cancer["variant"]) == ("digits-mlp", "breast-cancer", "fp16")
 
+    sent: dict[tuple[str, str], int] = {}
     for endpoint, version in (("digits", "v1"), ("breast-cancer", "b1")):
         x, _ = smoke_data(assets, endpoint, rows=5)
         rows = InputSchema(read_card(assets[endpoint][version]).signature).instances(x)
@@ -156,6 +159,15 @@ def test_two_endpoints_deployed_at_once_share_one_gateway(assets, gateway):  # n
         assert status == 200 and (body["model"], body["version"], headers["X-Model-Version"]) == \
             (endpoint, version, version)
         assert len(body["predictions"]) == 5
+        sent[(endpoint, version)] = int(headers["Content-Length"])
+    # The gateway counts the bytes it serves out per endpoint and version (projects' transfer quotas).
+    served: dict = {}
+    for _ in range(50):
+        served = served_bytes(state_root, datetime.now(UTC).date())
+        if all(served.get(k, 0) >= n for k, n in sent.items()):
+            break
+        time.sleep(0.1)
+    assert all(served.get(k, 0) >= n for k, n in sent.items()), (served, sent)
     status, body, _ = http_call("GET", f"{base}/healthz")
     assert status == 200 and body["endpoints"] == {"digits": "v1", "breast-cancer": "b1"}
     status, body, _ = http_call("GET", f"{base}/v1/models/nope")

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, delete, insert
@@ -87,6 +88,28 @@ def count_usage(day: date, estate: Estate, engine: Engine, stores: Mapping[str, 
             storage_usd=round(storage_usd, 6), transfer_usd=round(transfer_usd, 6),
         ))
     return out
+
+
+def record_served(day: date, serving_root: Path, engine: Engine, private_root: Path | None, *,
+                  today: date | None = None) -> int:
+    """Record the bytes the model gateway sent out on ``day`` as ``serving`` transfers of the projects
+    whose runs deployed the versions; returns how many were recorded. Only a finished day: a transfer
+    is recorded once, so a day still being served would keep its first, partial figure."""
+    from hybridflow.ledger.inference import version_owners
+    from hybridflow.ledger.transfers import Transfer, record_transfer
+    from hybridflow.serving.egress import served_bytes
+
+    if day >= (today or datetime.now(UTC).date()):
+        log.info("%s has not ended: the bytes served that day are recorded by the count of a later night", day)
+        return 0
+    served = served_bytes(serving_root, day)
+    owners = version_owners(engine, private_root, {version for _, version in served})
+    recorded = 0
+    for (endpoint, version), n in sorted(served.items()):
+        recorded += record_transfer(engine, Transfer(
+            key=f"serving/{endpoint}/{version}/{day.isoformat()}", day=day, project=owners[version]["project"],
+            kind="serving", cluster="local", bytes=n, version=version))
+    return recorded
 
 
 def replace_day(engine: Engine, day: date, rows: list[QuotaUsage]) -> None:
@@ -179,6 +202,8 @@ def record_quota_usage(day: date, settings=None, *, stores: Mapping[str, Any] | 
                  "count for %s", day)
         return {"day": day.isoformat(), "counted": False, "projects": [], "notified": []}
     engine = default_engine()
+    at = at or datetime.now(UTC)
+    record_served(day, settings.state_dir / "serving", engine, settings.private_root, today=at.date())
     rows = count_usage(day, estate, engine, stores if stores is not None else open_stores(estate),
                        read_records(settings.private_root))
     replace_day(engine, day, rows)
@@ -190,7 +215,7 @@ def record_quota_usage(day: date, settings=None, *, stores: Mapping[str, Any] | 
             BudgetWebhookNotifier(http_conn_id=cfg.webhook_conn_id, text=note["text"], payload=note,
                                   key=note["key"])({})
 
-    sent = notify(engine, rows, cfg.notify_at, send, at=at or datetime.now(UTC))
+    sent = notify(engine, rows, cfg.notify_at, send, at=at)
     for r in rows:
         log.info("quota usage %s %s: holds %s, moved %s this month, %.2f USD storage, %.2f USD transfer", r.day,
                  r.project, gib(r.storage_bytes), gib(r.transfer_bytes_month), r.storage_usd, r.transfer_usd)

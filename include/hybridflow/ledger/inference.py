@@ -94,7 +94,9 @@ def _records(private_root: Path | None, versions: set[str]) -> dict[str, dict]:
     return found
 
 
-def _owners(engine: Engine, private_root: Path | None, versions: set[str]) -> dict[str, dict[str, Any]]:
+def version_owners(engine: Engine, private_root: Path | None, versions: set[str]) -> dict[str, dict[str, Any]]:
+    """Project, team and model of each version a pipeline deployed (its run key); project
+    ``unattributed`` for a version of no known run."""
     with engine.connect() as conn:
         runs = {r.run_key: r for r in conn.execute(
             select(Run.run_key, Run.project, Run.team).where(Run.run_key.in_(sorted(versions)))).all()}
@@ -117,7 +119,7 @@ def inference_lines(engine: Engine, day: date, private_root: Path | None = None)
     lines: dict[tuple, dict[str, Any]] = {}
     models: dict[tuple, str | None] = {}
     samples = day_samples(engine, day)
-    owners = _owners(engine, private_root, {r.version for r, _ in samples})
+    owners = version_owners(engine, private_root, {r.version for r, _ in samples})
     for r, share in samples:
         key = (r.version, r.endpoint, r.cluster, r.unit)
         line = lines.setdefault(key, {"unit_hours": 0.0, "cost_usd": 0.0})

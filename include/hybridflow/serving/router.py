@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from hybridflow.serving.egress import FLUSH_S as EGRESS_FLUSH_S
+from hybridflow.serving.egress import EgressCounter
+
 HOST = "127.0.0.1"
 ACTIVE_FILE = "active.json"
 VERSIONS_DIR = "versions"
@@ -159,6 +162,7 @@ class Gateway:
         self.state_root = state_root
         self.client = client
         self.identity = {"router": True, "state_root": str(state_root), "pid": os.getpid()}
+        self.egress = EgressCounter(state_root)  # bytes served out, per endpoint and version (quotas)
 
     def _endpoints(self) -> dict[str, str | None]:
         return {name: _active_version(self.state_root / name) for name in known_endpoints(self.state_root)}
@@ -220,6 +224,7 @@ class Gateway:
                                              "has the cause"}, version)
             return
         await _send(send, status, data, answered_by or version, content_type=answer_type or "application/json")
+        self.egress.add(endpoint, answered_by or version, len(data))
 
 
 async def _send(send: Callable, status: int, body: dict[str, Any] | bytes, version: str | None = None, *,
@@ -265,7 +270,21 @@ async def _serve(server: Any, gateway: Gateway, sock: socket.socket, on_ready: C
             await asyncio.sleep(0.02)
         if server.started:
             on_ready()
-        await task
+        flusher = asyncio.create_task(_flush_egress(gateway.egress))
+        try:
+            await task
+        finally:
+            flusher.cancel()
+            gateway.egress.flush()  # what the last second served is not lost when the gateway stops
+
+
+async def _flush_egress(counter: EgressCounter) -> None:
+    while True:
+        await asyncio.sleep(EGRESS_FLUSH_S)
+        try:
+            counter.flush()
+        except OSError as exc:  # a full disk must not stop the serving: the counts wait for the next flush
+            log.warning("cannot write the egress counts under %s: %r", counter.state_root, exc)
 
 
 def _parser() -> argparse.ArgumentParser:
