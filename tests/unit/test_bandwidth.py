@@ -41,6 +41,26 @@ def test_two_processes_under_one_cap_share_it(tmp_path: Path) -> None:
     assert elapsed >= 0.95 * 2 * each / rate - 2 * MiB / rate, elapsed
 
 
+def test_a_worker_forked_from_a_process_that_used_the_cap_shares_it(tmp_path: Path) -> None:
+    # The local backend forks its gang workers from a warm process: the child must not share the
+    # parent's open state file (flock would not keep them apart) nor a lock a parent thread held.
+    rate = 32e6
+    throttle = Throttle([Cap("endpoint:test", rate)], directory=tmp_path)
+    throttle.take(MiB)
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for _ in range(8):
+                throttle.take(MiB)
+        finally:
+            os._exit(0)
+    for _ in range(8):
+        throttle.take(MiB)
+    os.waitpid(pid, 0)
+    assert time.monotonic() - started >= 0.95 * 15 * MiB / rate
+
+
 def test_a_checkpoint_goes_first_while_bulk_uploads_hold_the_cap(tmp_path: Path) -> None:
     rate = 40e6
     bulk = Throttle([Cap("endpoint:test", rate)], directory=tmp_path)

@@ -105,9 +105,22 @@ _buckets: dict[tuple[str, float, int], SharedBucket] = {}
 _buckets_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    # The local backend forks its gang workers from a warm process: a child starts with its own
+    # handles, and with a lock no thread of its parent may still hold.
+    global _buckets_lock
+    _buckets_lock = threading.Lock()
+    for bucket in _buckets.values():
+        os.close(bucket._fd)
+    _buckets.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def shared_bucket(cap: Cap, directory: Path | None = None) -> SharedBucket:
     """This process's handle on ``cap``'s shared state (one per cap, directory and process: a forked
-    child shares its parent's open file, and flock would not keep the two apart)."""
+    child sharing its parent's open file, flock would not keep the two apart)."""
     directory = directory or bucket_dir()
     name = hashlib.sha256(cap.key.encode()).hexdigest()[:24]
     key = (str(directory / f"{name}.tat"), cap.bytes_per_s, os.getpid())
