@@ -88,6 +88,34 @@ def test_a_checkpoint_goes_first_while_bulk_uploads_hold_the_cap(tmp_path: Path)
     assert took < 1.4 * 16 * MiB / rate, took
 
 
+def test_a_bulk_upload_held_off_by_a_long_checkpoint_still_sends_a_step(tmp_path: Path, monkeypatch) -> None:
+    # Its open request must not sit idle until the store's timeout cuts it (STARVE_S, 10 s; 0.3 s here).
+    import hybridflow.storage.bandwidth as bandwidth
+
+    monkeypatch.setattr(bandwidth, "STARVE_S", 0.3)
+    rate = 8e6
+    bulk = Throttle([Cap("endpoint:test", rate)], directory=tmp_path)
+    checkpoint = Throttle([Cap("endpoint:test", rate)], priority="checkpoint", directory=tmp_path)
+    done = threading.Event()
+
+    def long_checkpoint() -> None:
+        deadline = time.monotonic() + 5
+        while not done.is_set() and time.monotonic() < deadline:
+            checkpoint.take(MiB)
+
+    committing = threading.Thread(target=long_checkpoint)
+    committing.start()
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        bulk.take(MiB)
+        waited = time.monotonic() - started
+    finally:
+        done.set()
+        committing.join(timeout=10)
+    assert 0.25 <= waited < 2.0, waited  # held off first, then one step while the checkpoint still goes
+
+
 def test_caps_travel_in_the_spec_a_gang_worker_opens() -> None:
     cap = Cap(endpoint_key("http://127.0.0.1:9000/", "us-east-1"), 50e6)
     assert cap.key == "endpoint:http://127.0.0.1:9000"

@@ -36,7 +36,3 @@ def parse_rate(value: object) -> float:
 
 # A byte rate from the estate files, in bytes per second.
 Rate = Annotated[float, BeforeValidator(parse_rate)]
-
-
-def format_rate(bytes_per_s: float) -> str:
-    return f"{bytes_per_s / 1e6:.3g} MB/s"
